@@ -1,0 +1,70 @@
+"""The one place that reads ``FUSIONRING_*`` environment variables.
+
+Every launch-time knob is read here, once, in a single unit that its name states
+(bytes, milliseconds, seconds). Keyword arguments of the public API take precedence
+over these values; the rest of the library asks :func:`settings` and never reads
+``os.environ`` itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+_PREFIX = "FUSIONRING_"
+
+
+def _read(name: str, default, cast):
+    raw = os.environ.get(_PREFIX + name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return cast(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{_PREFIX}{name}={raw!r} is not a valid {cast.__name__}") from exc
+
+
+def _optional_seconds(raw: str) -> Optional[float]:
+    value = float(raw)
+    return value if value > 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Launch-time configuration, one unit per field (named in the field)."""
+
+    cycle_time_ms: float = 1.0
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    timeline_path: Optional[str] = None
+    stall_warning_s: Optional[float] = 60.0
+    stall_shutdown_s: Optional[float] = None
+    grouping_plan_path: Optional[str] = None
+    ring_segment_bytes: int = 1 << 20
+    small_message_bytes: int = 64 * 1024
+    slowdown_factor: float = 1.0
+
+
+def _from_environment() -> Settings:
+    d = Settings()
+    return Settings(
+        cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, float),
+        fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, int),
+        timeline_path=_read("TIMELINE", d.timeline_path, str),
+        stall_warning_s=_read("STALL_WARNING_S", d.stall_warning_s, _optional_seconds),
+        stall_shutdown_s=_read("STALL_SHUTDOWN_S", d.stall_shutdown_s, _optional_seconds),
+        grouping_plan_path=_read("GROUPING_PLAN", d.grouping_plan_path, str),
+        ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, int),
+        small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, int),
+        slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, float),
+    )
+
+
+_cached: Optional[Settings] = None
+
+
+def settings(reload: bool = False) -> Settings:
+    """Return the process's settings, read from the environment on first use."""
+    global _cached
+    if _cached is None or reload:
+        _cached = _from_environment()
+    return _cached
