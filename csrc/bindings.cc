@@ -1,0 +1,160 @@
+// pybind11 bindings: the only file of the core that knows Python. Every entry point
+// takes raw addresses and counts and releases the GIL while it works.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "dtype.h"
+#include "fusion_buffer.h"
+#include "reduce.h"
+#include "ring_allreduce.h"
+#include "transport_mpi.h"
+
+namespace py = pybind11;
+using namespace fusionring;
+
+namespace {
+
+// mpi4py's MPI._handleof(comm) gives the C handle as an integer: an int for MPICH-ABI
+// implementations, a pointer for Open MPI. Convert either way without mpi4py headers.
+template <typename Handle>
+Handle handle_cast(std::uintptr_t value, std::true_type /*integral*/) {
+  return static_cast<Handle>(value);
+}
+template <typename Handle>
+Handle handle_cast(std::uintptr_t value, std::false_type /*pointer*/) {
+  return reinterpret_cast<Handle>(value);
+}
+MPI_Comm comm_from_handle(std::uintptr_t handle) {
+  return handle_cast<MPI_Comm>(handle, std::is_integral<MPI_Comm>{});
+}
+
+void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+std::vector<BufferView> views_of(const std::vector<std::uintptr_t>& addresses,
+                                 const std::vector<std::size_t>& bytes) {
+  if (addresses.size() != bytes.size()) throw InvalidArgument("addresses and sizes differ in length");
+  std::vector<BufferView> views(addresses.size());
+  for (std::size_t i = 0; i < views.size(); ++i) views[i] = {addresses[i], bytes[i]};
+  return views;
+}
+
+class Communicator {
+ public:
+  explicit Communicator(std::uintptr_t handle) : transport_(comm_from_handle(handle)) {}
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.size(); }
+
+  void allreduce(std::uintptr_t address, std::size_t count, int dtype, int op, double prescale,
+                 double postscale, std::size_t segment_bytes, std::size_t small_message_bytes,
+                 const std::string& algorithm) {
+    const DType t = dtype_from_int(dtype);
+    const ReduceOp o = op_from_int(op);
+    AllreduceOptions options;
+    options.prescale = prescale;
+    options.postscale = postscale;
+    options.segment_bytes = segment_bytes ? segment_bytes : options.segment_bytes;
+    options.small_message_bytes = small_message_bytes;
+    if (algorithm != "auto" && algorithm != "ring" && algorithm != "recursive_doubling") {
+      throw InvalidArgument("unknown allreduce algorithm '" + algorithm + "'");
+    }
+    py::gil_scoped_release release;
+    if (algorithm == "ring") {
+      ring_allreduce(as_pointer(address), count, t, o, transport_, options);
+    } else if (algorithm == "recursive_doubling") {
+      recursive_doubling_allreduce(as_pointer(address), count, t, o, transport_, options);
+    } else {
+      fusionring::allreduce(as_pointer(address), count, t, o, transport_, options);
+    }
+  }
+
+ private:
+  MpiTransport transport_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusionring core: ring allreduce and buffer kernels over raw memory";
+
+  // One mapping from core errors to Python exceptions.
+  static py::exception<CommunicationError> comm_error(m, "CommunicationError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const CommunicationError& e) {
+      PyErr_SetString(comm_error.ptr(), e.what());
+    }
+  });
+
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("uint8", DType::kUInt8);
+  py::enum_<ReduceOp>(m, "ReduceOp")
+      .value("sum", ReduceOp::kSum)
+      .value("min", ReduceOp::kMin)
+      .value("max", ReduceOp::kMax)
+      .value("product", ReduceOp::kProduct);
+
+  m.def("element_size", [](int dtype) { return element_size(dtype_from_int(dtype)); });
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init<std::uintptr_t>(), py::arg("handle"))
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def("allreduce", &Communicator::allreduce, py::arg("address"), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           py::arg("segment_bytes") = 1 << 20, py::arg("small_message_bytes") = 64 << 10,
+           py::arg("algorithm") = "auto",
+           "In-place allreduce of `count` elements at `address` (GIL released).");
+
+  m.def(
+      "reduce_into",
+      [](std::uintptr_t dst, std::uintptr_t src, std::size_t count, int dtype, int op) {
+        const DType t = dtype_from_int(dtype);
+        const ReduceOp o = op_from_int(op);
+        py::gil_scoped_release release;
+        reduce_into(as_pointer(dst), as_pointer(src), count, t, o);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"));
+  m.def(
+      "scale",
+      [](std::uintptr_t buf, std::size_t count, int dtype, double factor) {
+        const DType t = dtype_from_int(dtype);
+        py::gil_scoped_release release;
+        scale_in_place(as_pointer(buf), count, t, factor);
+      },
+      py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("factor"));
+  m.def(
+      "pack",
+      [](const std::vector<std::uintptr_t>& addresses, const std::vector<std::size_t>& bytes,
+         std::uintptr_t dst) {
+        auto views = views_of(addresses, bytes);
+        py::gil_scoped_release release;
+        return pack(views, as_pointer(dst));
+      },
+      py::arg("addresses"), py::arg("bytes"), py::arg("dst"),
+      "Copy each (address, bytes) piece, in order, into the buffer at dst.");
+  m.def(
+      "unpack",
+      [](std::uintptr_t src, const std::vector<std::uintptr_t>& addresses,
+         const std::vector<std::size_t>& bytes) {
+        auto views = views_of(addresses, bytes);
+        py::gil_scoped_release release;
+        return unpack(as_pointer(src), views);
+      },
+      py::arg("src"), py::arg("addresses"), py::arg("bytes"),
+      "Copy consecutive pieces of the buffer at src back into each (address, bytes).");
+}

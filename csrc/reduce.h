@@ -1,0 +1,17 @@
+// Element-wise reduction kernels over raw buffers; fp16/bf16 accumulate in fp32.
+#pragma once
+
+#include <cstddef>
+
+#include "dtype.h"
+
+namespace fusionring {
+
+// dst[i] = dst[i] (op) src[i] for i < count.
+void reduce_into(void* dst, const void* src, std::size_t count, DType dtype, ReduceOp op);
+
+// buf[i] *= factor (computed in double for 64-bit types, in float otherwise; integers
+// are truncated toward zero).
+void scale_in_place(void* buf, std::size_t count, DType dtype, double factor);
+
+}  // namespace fusionring

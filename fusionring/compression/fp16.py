@@ -1,0 +1,23 @@
+"""fp16 compression: floating-point tensors travel as float16 (half the bytes)."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+
+
+class FP16Compressor(Compressor):
+    """Cast floating-point tensors to float16 for the wire and back afterwards."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        dtype = tensor.dtype
+        if dtype.is_floating_point and dtype != torch.float16:
+            tensor = tensor.to(torch.float16)
+        return tensor, dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx):
+        if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
+            tensor = tensor.to(ctx)
+        return tensor

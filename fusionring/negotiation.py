@@ -1,0 +1,246 @@
+"""Which submitted tensors are ready on every rank: the per-cycle agreement.
+
+Steady state costs one small allreduce per cycle: every known tensor name has a cache
+id, and ranks AND a bit vector of the ids they have pending. A name that is new, or
+whose spec changed, makes that cycle a full exchange instead: rank 0 gathers every
+rank's pending specs, validates them against each other (the precise cross-rank error
+comes from here), assigns cache ids and broadcasts the outcome.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Flag bits, ORed across ranks (sent inverted through a bitwise-AND allreduce).
+FLAG_UNCACHED = 1
+FLAG_FLUSH = 2
+FLAG_SHUTDOWN = 4
+FLAG_STALL_CHECK = 8
+
+
+AUTO_NAME_MARK = ".noname."
+
+
+def is_cacheable(name: str) -> bool:
+    """Auto-generated names are used once; caching them would grow the bit vector forever.
+
+    A pure function of the name, so every rank keeps the same cache.
+    """
+    return AUTO_NAME_MARK not in name
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What every rank must agree on before an operation's data moves."""
+
+    kind: str                 # allreduce | allgather | broadcast | barrier
+    dtype: str
+    shape: Tuple[int, ...]
+    op: str = ""              # reduction op name, allreduce only
+    root: int = -1            # broadcast only
+    prescale: float = 1.0
+    postscale: float = 1.0
+    compression: str = ""     # a compressor that runs inside the runtime
+    detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
+
+    def comparable(self) -> tuple:
+        """The fields that must be equal across ranks (allgather may differ in dim 0)."""
+        shape = self.shape[1:] if self.kind == "allgather" and self.shape else self.shape
+        ndim = len(self.shape)
+        return (self.kind, self.dtype, ndim, shape, self.op, self.root, self.prescale,
+                self.postscale, self.compression, self.detail)
+
+
+@dataclasses.dataclass
+class Ready:
+    """A tensor ready on every rank; `first_dims` holds each rank's dim 0 for allgather."""
+
+    name: str
+    first_dims: Optional[List[int]] = None
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one cycle decided, identical on every rank."""
+
+    ready: List[Ready] = dataclasses.field(default_factory=list)
+    errors: Dict[str, str] = dataclasses.field(default_factory=dict)
+    flush: bool = False
+    shutdown_ranks: List[int] = dataclasses.field(default_factory=list)
+    abort: Optional[str] = None
+    stall_warning: Optional[str] = None
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _field_values(spec: TensorSpec) -> List[Tuple[str, object]]:
+    shape = list(spec.shape)
+    if spec.kind == "allgather":
+        shape_field = ("shape (all but the first dimension)", [*shape[1:]] if shape else [])
+    else:
+        shape_field = ("shape", shape)
+    return [("operation", spec.kind), ("dtype", spec.dtype), ("rank of the tensor", len(shape)),
+            shape_field, ("op", spec.op), ("root rank", spec.root),
+            ("prescale factor", spec.prescale), ("postscale factor", spec.postscale),
+            ("compression", spec.compression or "none"), ("configuration", spec.detail)]
+
+
+def mismatch_message(name: str, specs: Sequence[TensorSpec]) -> Optional[str]:
+    """Describe how ranks disagree on `name`, or None when they agree.
+
+    The text names the operation, the tensor, the field and which ranks sent what, e.g.
+    "allreduce 'layer1.weight': rank 0 sent shape [17, 17], rank 2 sent [18, 18]".
+    """
+    first = specs[0]
+    if all(s.comparable() == first.comparable() for s in specs):
+        return None
+    if name.startswith(first.kind + "."):  # internal names carry the operation as a prefix
+        name = name[len(first.kind) + 1:]
+    per_rank = [_field_values(s) for s in specs]
+    for i, (field, _) in enumerate(per_rank[0]):
+        by_value: Dict[str, List[int]] = {}
+        for rank, values in enumerate(per_rank):
+            by_value.setdefault(repr(values[i][1]) if not isinstance(values[i][1], str)
+                                else values[i][1], []).append(rank)
+        if len(by_value) > 1:
+            parts = [f"{_ranks_text(ranks)} sent {value}" for value, ranks in by_value.items()]
+            parts[0] = parts[0].replace(" sent ", f" sent {field} ", 1)
+            return f"{first.kind} '{name}': " + ", ".join(parts)
+    return f"{first.kind} '{name}': ranks disagree on the operation's parameters"
+
+
+@dataclasses.dataclass
+class _Report:
+    """One rank's pending operations, in submission order: (name, spec, age in seconds)."""
+
+    rank: int
+    pending: List[Tuple[str, TensorSpec, float]]
+
+
+def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
+               stall_shutdown_s: Optional[float]) -> Outcome:
+    """Rank 0's half of a full exchange: validate, pick what is ready, spot stalls."""
+    size = len(reports)
+    by_name: Dict[str, Dict[int, Tuple[TensorSpec, float]]] = {}
+    for report in reports:
+        for name, spec, age in report.pending:
+            by_name.setdefault(name, {})[report.rank] = (spec, age)
+    outcome = Outcome()
+    order = [name for name, _, _ in reports[0].pending] + sorted(
+        n for n in by_name if n not in {p[0] for p in reports[0].pending})
+    stalled: List[Tuple[str, List[int], float]] = []
+    for name in order:
+        entries = by_name[name]
+        if len(entries) < size:
+            oldest = max(age for _, age in entries.values())
+            missing = [r for r in range(size) if r not in entries]
+            stalled.append((name, missing, oldest))
+            continue
+        specs = [entries[r][0] for r in range(size)]
+        error = mismatch_message(name, specs)
+        if error is not None:
+            outcome.errors[name] = error
+            continue
+        first_dims = ([s.shape[0] if s.shape else 1 for s in specs]
+                      if specs[0].kind == "allgather" else None)
+        outcome.ready.append(Ready(name, first_dims))
+    if stalled and stall_warning_s is not None:
+        late = [(n, m, a) for n, m, a in stalled if a >= stall_warning_s]
+        if late:
+            lines = [f"  '{n}' waiting {a:.1f} s for {_ranks_text(m)}" for n, m, a in late]
+            outcome.stall_warning = (
+                "fusionring: some tensors were submitted by a subset of ranks and are waiting "
+                "for the rest (a rank may be stuck, or ranks run different code paths):\n"
+                + "\n".join(lines))
+    if stalled and stall_shutdown_s is not None:
+        dead = [(n, m, a) for n, m, a in stalled if a >= stall_shutdown_s]
+        if dead:
+            lines = [f"'{n}' (missing on {_ranks_text(m)})" for n, m, _ in dead]
+            outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
+                             f"tensors that some ranks never submitted: " + ", ".join(lines))
+    return outcome
+
+
+@dataclasses.dataclass
+class _CacheEntry:
+    cache_id: int
+    spec: TensorSpec
+    first_dims: Optional[List[int]]
+
+
+class Negotiator:
+    """Runs the per-cycle agreement on a dedicated communicator (background thread only)."""
+
+    def __init__(self, comm, stall_warning_s: Optional[float],
+                 stall_shutdown_s: Optional[float]) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._stall_warning_s = stall_warning_s
+        self._stall_shutdown_s = stall_shutdown_s
+        self._cache: Dict[str, _CacheEntry] = {}
+        self._names_by_id: List[str] = []
+        self.full_exchanges = 0
+        self.cycles = 0
+
+    def _cached(self, name: str, spec: TensorSpec) -> Optional[_CacheEntry]:
+        entry = self._cache.get(name)
+        return entry if entry is not None and entry.spec == spec else None
+
+    def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
+              shutdown: bool, stall_check: bool) -> Outcome:
+        """One agreement round. `pending` holds (name, spec, age_s) per request."""
+        self.cycles += 1
+        uncached = any(self._cached(name, spec) is None for name, spec, _ in pending)
+        flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_FLUSH if flush else 0)
+                 | (FLAG_SHUTDOWN if shutdown else 0) | (FLAG_STALL_CHECK if stall_check else 0))
+        words = np.zeros(1 + (len(self._names_by_id) + 63) // 64, dtype=np.uint64)
+        words[0] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
+        for name, spec, _ in pending:
+            entry = self._cached(name, spec)
+            if entry is not None:
+                words[1 + entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
+        self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
+        all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
+        outcome = Outcome(flush=bool(all_flags & FLAG_FLUSH))
+        if all_flags & FLAG_SHUTDOWN:
+            flags_by_rank = self._comm.allgather(shutdown)
+            outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
+            return outcome
+        if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
+            return self._full_exchange(pending, outcome)
+        bits = np.unpackbits(words[1:].view(np.uint8), bitorder="little")
+        for cache_id in np.flatnonzero(bits):
+            name = self._names_by_id[int(cache_id)]
+            outcome.ready.append(Ready(name, self._cache[name].first_dims))
+        return outcome
+
+    def _full_exchange(self, pending, outcome: Outcome) -> Outcome:
+        self.full_exchanges += 1
+        report = _Report(self.rank, list(pending))
+        reports = self._comm.gather(report, root=0)
+        decided = None
+        if self.rank == 0:
+            decided = coordinate(reports, self._stall_warning_s, self._stall_shutdown_s)
+        decided = self._comm.bcast(decided, root=0)
+        specs = {name: spec for name, spec, _ in pending}
+        for item in decided.ready:
+            if not is_cacheable(item.name):
+                continue
+            spec = specs[item.name]
+            entry = self._cache.get(item.name)
+            if entry is None:
+                entry = _CacheEntry(len(self._names_by_id), spec, item.first_dims)
+                self._names_by_id.append(item.name)
+                self._cache[item.name] = entry
+            else:  # same name, new spec agreed by every rank: keep the id
+                entry.spec, entry.first_dims = spec, item.first_dims
+        decided.flush = outcome.flush
+        return decided

@@ -1,0 +1,45 @@
+"""Reduction operations and the one place that turns Average into scale factors."""
+from __future__ import annotations
+
+import enum
+from typing import Tuple
+
+
+class ReduceOp(enum.IntEnum):
+    """User-facing reduction ops (Horovod's names)."""
+
+    Average = 0
+    Sum = 1
+    Min = 2
+    Max = 3
+    Product = 4
+
+
+# Codes of the C++ core's ReduceOp enum.
+_CORE_CODE = {ReduceOp.Sum: 0, ReduceOp.Min: 1, ReduceOp.Max: 2, ReduceOp.Product: 3}
+
+
+def resolve_op(op, average=None) -> ReduceOp:
+    """Horovod's rule: ``op`` wins; the deprecated ``average`` flag maps to Average/Sum."""
+    if op is not None and average is not None:
+        raise ValueError("pass either op or the deprecated average argument, not both")
+    if op is None:
+        if average is None or average:
+            return ReduceOp.Average
+        return ReduceOp.Sum
+    try:
+        return ReduceOp(int(op))
+    except (ValueError, TypeError):
+        raise ValueError(f"unsupported reduction op {op!r}; use Average, Sum, Min, Max or Product")
+
+
+def core_reduction(op: ReduceOp, prescale: float, postscale: float,
+                   world_size: int) -> Tuple[int, float, float]:
+    """Map (op, prescale, postscale) to the core's (op code, prescale, postscale).
+
+    Average is Sum with the result divided by the world size; this is the only place
+    that divides, so every path (functions, optimizer, compressors) agrees.
+    """
+    if op == ReduceOp.Average:
+        return _CORE_CODE[ReduceOp.Sum], float(prescale), float(postscale) / world_size
+    return _CORE_CODE[op], float(prescale), float(postscale)

@@ -1,0 +1,438 @@
+"""``fusionrun``: start a training script on N ranks through the environment's ``mpiexec``.
+
+::
+
+    fusionrun -np 4 python train.py --epochs 3
+    fusionrun -np 4 --slow 1:3 python train.py               # rank 1 computes 3x slower
+    fusionrun -np 4 --cluster 4 --rate 1gbit python train.py  # one rank per emulated host
+    fusionrun -np 2 --dry-run -hosts a,b python train.py      # print the command, run nothing
+
+Options it does not know are handed to ``mpiexec`` unchanged; the program starts at the first token that
+is not an option or an option's value (or after ``--``). The exit code is ``mpiexec``'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from fusionring import cluster as lab
+
+MPICH = "mpich"  # Hydra process manager: MPICH, Intel MPI, MVAPICH
+OPEN_MPI = "openmpi"  # ORTE (Open MPI <= 4) or PRRTE (Open MPI 5)
+UNKNOWN = "unknown"
+
+SLOWDOWN_ENV = "FUSIONRING_SLOWDOWN"
+USAGE = ("usage: fusionrun -np N [--dry-run] [--cluster N --rate RATE] [--slow RANK:FACTOR]... "
+         "[--mpiexec PATH] [mpiexec options...] [--] PROGRAM [ARGS...]")
+
+# mpiexec options (Hydra's and Open MPI's) that take values, by name without leading dashes, with how
+# many tokens follow. Needed so that a value ("-hosts a,b") is not taken for the program. Options given
+# as --name=value need no entry; an option missing here is passed on with no value.
+_MPIEXEC_VALUE_OPTIONS = {
+    # Hydra
+    "genv": 2, "env": 2, "genvlist": 1, "envlist": 1, "f": 1, "hostfile": 1, "machinefile": 1,
+    "hosts": 1, "host": 1, "rankmap": 1, "wdir": 1, "configfile": 1, "launcher": 1, "launcher-exec": 1,
+    "rmk": 1, "topolib": 1, "bind-to": 1, "map-by": 1, "membind": 1, "demux": 1, "errfile-pattern": 1,
+    "outfile-pattern": 1, "gpus-per-proc": 1, "iface": 1, "localhost": 1, "nameserver": 1, "ppn": 1,
+    "prepend-pattern": 1, "usize": 1, "bootstrap": 1, "bootstrap-exec": 1, "binding": 1,
+    "memory-alloc-kinds": 1,
+    # Open MPI (ORTE and PRRTE)
+    "x": 1, "mca": 2, "gmca": 2, "prtemca": 2, "pmixmca": 2, "omca": 2, "H": 1, "N": 1, "npernode": 1,
+    "npersocket": 1, "rank-by": 1, "output": 1, "output-filename": 1, "cpus-per-proc": 1,
+    "cpus-per-rank": 1, "tune": 1, "am": 1, "preload-files": 1, "prefix": 1, "personality": 1,
+    "path": 1, "stdin": 1, "timeout": 1, "report-bindings-file": 1, "rankfile": 1, "default-hostfile": 1,
+}
+
+
+class LaunchError(RuntimeError):
+    """The command line cannot be launched as given; the message says what to change."""
+
+
+@dataclasses.dataclass
+class LaunchRequest:
+    """What the user asked for, parsed from the command line."""
+
+    num_ranks: Optional[int] = None
+    program: List[str] = dataclasses.field(default_factory=list)
+    mpiexec_options: List[str] = dataclasses.field(default_factory=list)
+    dry_run: bool = False
+    cluster_size: Optional[int] = None
+    rate: Optional[str] = None
+    slowdown: Dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> factor as typed
+    mpiexec: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Launch:
+    """The command to run: ``argv`` run with ``env_added`` on top of the launcher's environment."""
+
+    argv: List[str]
+    env_added: Dict[str, str]
+    flavour: str
+
+    def shell_command(self) -> str:
+        """The launch as one shell line: ``NAME=value ... mpiexec ...``, every word quoted as needed."""
+        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.env_added.items()]
+        return " ".join(assignments + [shlex.quote(word) for word in self.argv])
+
+
+# ------------------------------------------------------------------------------------- the MPI found
+
+def find_mpiexec(explicit: Optional[str] = None) -> str:
+    """The ``mpiexec`` to use: ``explicit`` if given, else the one beside this Python, else on PATH.
+
+    The one beside ``sys.executable`` comes first so a virtual environment's MPI (the one mpi4py was
+    built against) wins over a system one. Raises ``LaunchError`` when there is none.
+    """
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise LaunchError(f"--mpiexec {explicit}: not found or not executable")
+        return found
+    # not resolved: a venv's python is a symlink, and its bin/ is where its mpiexec lives
+    beside_python = Path(sys.executable).parent
+    for name in ("mpiexec", "mpirun"):
+        candidate = beside_python / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise LaunchError(
+        f"no mpiexec found beside {sys.executable} or on PATH; install an MPI "
+        f"(e.g. `pip install mpich` in this environment, or the system's mpich/openmpi package)")
+
+
+def flavour_from_version(text: str) -> str:
+    """Name the MPI behind ``mpiexec --version`` output: ``mpich`` (Hydra), ``openmpi`` or ``unknown``."""
+    lowered = text.lower()
+    if "open mpi" in lowered or "openrte" in lowered or "prrte" in lowered or "prterun" in lowered:
+        return OPEN_MPI
+    if "hydra" in lowered or "mpich" in lowered or "intel(r) mpi" in lowered or "mvapich" in lowered:
+        return MPICH
+    return UNKNOWN
+
+
+def detect_flavour(mpiexec: str) -> str:
+    """Run ``mpiexec --version`` and name its flavour (see :func:`flavour_from_version`)."""
+    try:
+        done = subprocess.run([mpiexec, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"`{mpiexec} --version` failed: {exc}") from exc
+    return flavour_from_version(done.stdout)
+
+
+# ------------------------------------------------------------------------------------ command line
+
+def _take_value(argv: Sequence[str], i: int, name: str, inline: Optional[str]) -> Tuple[str, int]:
+    if inline is not None:
+        return inline, i + 1
+    if i + 1 >= len(argv):
+        raise LaunchError(f"{name} needs a value")
+    return argv[i + 1], i + 2
+
+
+def _positive_int(value: str, name: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise LaunchError(f"{name} needs a positive whole number, got {value!r}")
+    return number
+
+
+def parse_args(argv: Sequence[str]) -> LaunchRequest:
+    """Split a ``fusionrun`` command line into its own options, mpiexec's options and the program."""
+    request = LaunchRequest()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            request.program = list(argv[i + 1:])
+            break
+        if not token.startswith("-") or token == "-":
+            request.program = list(argv[i:])
+            break
+        name, eq, value = token.partition("=")
+        inline = value if eq else None
+        if name in ("-np", "-n", "--np"):
+            raw, i = _take_value(argv, i, name, inline)
+            request.num_ranks = _positive_int(raw, name)
+        elif name == "--dry-run":
+            request.dry_run, i = True, i + 1
+        elif name == "--cluster":
+            raw, i = _take_value(argv, i, name, inline)
+            request.cluster_size = _positive_int(raw, name)
+        elif name == "--rate":
+            request.rate, i = _take_value(argv, i, name, inline)
+        elif name == "--slow":
+            raw, i = _take_value(argv, i, name, inline)
+            rank, factor = _parse_slow(raw)
+            if rank in request.slowdown:
+                raise LaunchError(f"--slow given twice for rank {rank}")
+            request.slowdown[rank] = factor
+        elif name == "--mpiexec":
+            request.mpiexec, i = _take_value(argv, i, name, inline)
+        elif name in ("-h", "--help"):
+            raise SystemExit(_print_help())
+        else:
+            arity = 0 if eq else _MPIEXEC_VALUE_OPTIONS.get(name.lstrip("-"), 0)
+            if i + arity >= len(argv):
+                raise LaunchError(f"mpiexec option {name} needs {arity} value(s)")
+            request.mpiexec_options.extend(argv[i:i + 1 + arity])
+            i += 1 + arity
+    _validate(request)
+    return request
+
+
+def _parse_slow(raw: str) -> Tuple[int, str]:
+    rank_text, sep, factor = raw.partition(":")
+    try:
+        rank, factor_value = int(rank_text), float(factor)
+    except ValueError:
+        rank, factor_value = -1, 0.0
+    if not sep or rank < 0 or not factor_value > 0:
+        raise LaunchError(f"--slow expects RANK:FACTOR with FACTOR > 0 (e.g. --slow 1:3), got {raw!r}")
+    return rank, factor.strip()
+
+
+def _validate(request: LaunchRequest) -> None:
+    if request.cluster_size is not None:
+        if request.num_ranks is None:
+            request.num_ranks = request.cluster_size
+        if request.cluster_size != request.num_ranks:
+            raise LaunchError(f"--cluster {request.cluster_size} must equal -np {request.num_ranks}: "
+                              f"the lab runs one rank per namespace")
+        request.rate = request.rate or "1gbit"
+        try:
+            lab.parse_rate(request.rate)
+        except ValueError as exc:
+            raise LaunchError(f"--rate: {exc}") from exc
+    elif request.rate is not None:
+        raise LaunchError("--rate only applies with --cluster N")
+    if request.num_ranks is None:
+        raise LaunchError("-np N is required (the number of ranks)")
+    for rank in request.slowdown:
+        if rank >= request.num_ranks:
+            raise LaunchError(f"--slow {rank}:...: rank {rank} does not exist with -np {request.num_ranks}")
+    if not request.program:
+        raise LaunchError("no program to run (e.g. `fusionrun -np 2 python train.py`)")
+
+
+def _print_help() -> int:
+    print(USAGE)
+    print(__doc__)
+    print("Own options:\n"
+          "  -np N               number of ranks\n"
+          "  --dry-run           print the command (with the environment it adds) and exit\n"
+          "  --cluster N         run each rank in its own namespace of the emulated cluster (root);\n"
+          "                      N must equal -np; the lab is built before and removed after\n"
+          "  --rate RATE         the lab's link rate each way, as tc spells it (default 1gbit)\n"
+          "  --slow RANK:FACTOR  make RANK compute FACTOR times slower (sets FUSIONRING_SLOWDOWN there)\n"
+          "  --mpiexec PATH      use this mpiexec instead of the environment's")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ the command
+
+def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
+                 running_as_root: Optional[bool] = None) -> Launch:
+    """Turn a request into the exact mpiexec command and the environment variables it adds.
+
+    Ranks that need different argv (a namespace, a slowdown) are started as MPMD segments
+    (``-n K prog : -n 1 env X=Y prog ...``); otherwise a plain ``-n N prog``.
+    """
+    if running_as_root is None:
+        running_as_root = os.geteuid() == 0
+    argv, env = [mpiexec], {}
+    if flavour == OPEN_MPI:
+        # Open MPI refuses more ranks than cores, and refuses root, unless told otherwise
+        argv.append("--oversubscribe")
+        if running_as_root:
+            argv.append("--allow-run-as-root")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    argv.extend(request.mpiexec_options)
+
+    lab_layout = None
+    if request.cluster_size is not None:
+        if flavour == OPEN_MPI:
+            raise LaunchError(
+                "--cluster needs MPICH's mpiexec (Hydra); with Open MPI 5 the ranks start in their "
+                "namespaces but its TCP transport does not connect peers on one host (PML add procs "
+                "fails). Use an environment with `pip install mpich`, or --mpiexec PATH to one")
+        lab_layout = lab.Cluster(request.cluster_size, request.rate or "1gbit")
+        env.update(lab_layout.mpi_env())
+
+    def rank_argv(rank: int) -> List[str]:
+        words: List[str] = []
+        if lab_layout is not None:
+            words += lab_layout.rank_prefix(rank)
+        if rank in request.slowdown:
+            # `env` rather than a flavour's per-segment env option: one form for every MPI
+            words += ["env", f"{SLOWDOWN_ENV}={request.slowdown[rank]}"]
+        return words + list(request.program)
+
+    segments: List[Tuple[int, List[str]]] = []
+    for rank in range(request.num_ranks):
+        words = rank_argv(rank)
+        if segments and segments[-1][1] == words:
+            segments[-1] = (segments[-1][0] + 1, words)
+        else:
+            segments.append((1, words))
+    for index, (count, words) in enumerate(segments):
+        if index:
+            argv.append(":")
+        argv += ["-n", str(count)] + words
+    return Launch(argv, env, flavour)
+
+
+# ---------------------------------------------------------------------------------------- running
+
+def _foreground_terminal() -> Optional[int]:
+    """An fd on the controlling terminal when this process group owns it (an interactive run), else None."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        if os.tcgetpgrp(fd) == os.getpgrp():
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _hand_terminal(fd: int, pgrp: int) -> None:
+    # a background process group changing the foreground would be stopped by SIGTTOU
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, pgrp)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def run_launch(launch: Launch) -> int:
+    """Run the launch in the foreground and return mpiexec's exit code (128+N if killed by signal N).
+
+    mpiexec runs in its own process group, which gets the terminal: Ctrl-C reaches mpiexec and the
+    ranks exactly as if mpiexec had been started by hand (Hydra treats a second Ctrl-C as "force
+    abort", so the launcher must not add one). SIGINT, SIGTERM and SIGHUP sent to the launcher itself
+    are passed on to mpiexec, once each.
+    """
+    env = dict(os.environ)
+    env.update(launch.env_added)
+    terminal = _foreground_terminal()
+
+    def take_terminal() -> None:  # runs in the child, before exec; the parent does it too (no race)
+        if terminal is not None:
+            _hand_terminal(terminal, os.getpid())
+
+    try:
+        child = subprocess.Popen(launch.argv, env=env, process_group=0, preexec_fn=take_terminal)
+    except OSError as exc:
+        if terminal is not None:
+            os.close(terminal)
+        raise LaunchError(f"could not start {launch.argv[0]}: {exc}") from exc
+    if terminal is not None:
+        _hand_terminal(terminal, child.pid)
+    running = True
+
+    def forward(signum, _frame):
+        if running:
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
+    try:
+        while True:
+            _, status = os.waitpid(child.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                break
+            # the job was suspended from the terminal (Ctrl-Z): suspend too, so the shell sees it,
+            # and on `fg` hand the terminal back and resume the job
+            if terminal is not None:
+                _hand_terminal(terminal, os.getpgrp())
+            os.kill(os.getpid(), signal.SIGSTOP)
+            if terminal is not None:
+                _hand_terminal(terminal, child.pid)
+            os.killpg(child.pid, signal.SIGCONT)
+        running = False
+        child.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        running = False
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if terminal is not None:
+            _hand_terminal(terminal, os.getpgrp())
+            os.close(terminal)
+    returncode = child.returncode
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _with_lab(request: LaunchRequest, body: Callable[[], int]) -> int:
+    reason = lab.missing_prerequisites()
+    if reason:
+        raise LaunchError(f"--cluster: {reason}")
+    cluster = lab.Cluster(request.cluster_size, request.rate or "1gbit")
+    try:
+        cluster.up(verify=True, out=sys.stderr)
+        return body()
+    finally:
+        # a second Ctrl-C must not leave namespaces behind
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            cluster.down()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``fusionrun`` entry point; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        request = parse_args(argv)
+        mpiexec = find_mpiexec(request.mpiexec)
+        flavour = detect_flavour(mpiexec)
+        if flavour == UNKNOWN:
+            print(f"fusionrun: could not tell which MPI {mpiexec} belongs to; adding no flavour-specific "
+                  f"options", file=sys.stderr)
+        launch = build_launch(request, mpiexec, flavour)
+        if request.dry_run:
+            if request.cluster_size is not None:
+                print(f"fusionrun: would build the lab first (python -m fusionring.cluster up "
+                      f"{request.cluster_size} --rate {request.rate}) and remove it afterwards",
+                      file=sys.stderr)
+            print(launch.shell_command())
+            return 0
+        if request.cluster_size is not None:
+            return _with_lab(request, lambda: run_launch(launch))
+        return run_launch(launch)
+    except LaunchError as exc:
+        print(f"fusionrun: {exc}", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
+        return 2
+    except lab.ClusterError as exc:
+        print(f"fusionrun: emulated cluster: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""The runtime: init/shutdown, the background control loop, and handles.
+
+The caller's thread only enqueues requests and waits on handles. One background thread
+per process runs the cycle: negotiate what is ready on every rank, let the scheduler
+decide what to fuse, and drive the C++ core (GIL released) or MPI to move the bytes.
+Every rank runs the same decisions in the same order, so no collective can interleave.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import _C
+from .config import Settings, settings
+from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
+from .negotiation import Negotiator, Ready, TensorSpec
+from .scheduler import Entry, FusionScheduler
+from .timeline import Timeline
+
+# torch dtype -> the core's DType code (csrc/dtype.h).
+DTYPE_CODES: Dict[torch.dtype, int] = {
+    torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+    torch.int32: 4, torch.int64: 5, torch.uint8: 6,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_dtype(tensor: torch.Tensor, name: str) -> None:
+    """Raise ValueError naming the tensor and dtype when the core cannot reduce it."""
+    if tensor.dtype not in DTYPE_CODES:
+        supported = ", ".join(dtype_name(d) for d in DTYPE_CODES)
+        raise ValueError(f"tensor '{name}' has unsupported dtype {dtype_name(tensor.dtype)}; "
+                         f"fusionring supports {supported}")
+
+
+def byte_view(tensor: torch.Tensor):
+    """A writable numpy uint8 view of a contiguous CPU tensor's memory (any dtype)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One submitted operation; `output` receives the result in place."""
+
+    name: str
+    spec: TensorSpec
+    tensor: torch.Tensor                 # contiguous CPU input
+    output: Optional[torch.Tensor]       # contiguous CPU result buffer (may be `tensor`)
+    core_op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    handle: int = -1
+    submitted_at: float = 0.0
+    ready_info: Optional[Ready] = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    payload: Any = None                  # kind-specific data (e.g. fusion groups)
+    # A compressor that reduces inside the runtime: called on the background thread as
+    # communicator(core, buffer, requests) in place of the plain ring allreduce.
+    communicator: Optional[Callable[..., None]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters for benchmarks and the training example."""
+
+    cycles: int = 0
+    full_exchanges: int = 0
+    allreduce_batches: int = 0
+    allreduce_tensors: int = 0
+    allreduce_bytes: int = 0
+    bytes_sent: int = 0
+    batch_bytes: List[int] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Runtime:
+    """One per process: owns the communicators, the queue and the background thread."""
+
+    def __init__(self, comm=None, config: Optional[Settings] = None) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.config = config or settings()
+        base = comm if comm is not None else MPI.COMM_WORLD
+        # Separate communicators: user code may use COMM_WORLD freely alongside us.
+        self._control_comm = base.Dup()
+        self._data_comm = base.Dup()
+        self.rank = base.Get_rank()
+        self.size = base.Get_size()
+        local = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        cross = base.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
+        local.Free()
+        cross.Free()
+        self._core = _C.Communicator(MPI._handleof(self._data_comm))
+        self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
+                                      self.config.stall_shutdown_s)
+        self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
+        self._timeline = (Timeline(self.config.timeline_path)
+                          if self.config.timeline_path and self.rank == 0 else None)
+        self.stats = Stats()
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: List[Request] = []
+        self._pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
+        self._handles: Dict[int, Request] = {}
+        self._in_flight: Dict[str, Request] = {}
+        self._handle_ids = itertools.count()
+        self._waiters = 0
+        self._shutdown_requested = False
+        self._failure: Optional[BaseException] = None
+        self._last_stall_check = time.monotonic()
+        self._fusion_buffers: Dict[torch.dtype, torch.Tensor] = {}
+        self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its handle. Raises ValueError for a name in flight."""
+        with self._lock:
+            if self._failure is not None:
+                raise FusionRingError(str(self._failure))
+            if self._shutdown_requested:
+                raise FusionRingError("fusionring has been shut down on this rank")
+            if request.name in self._in_flight:
+                raise ValueError(
+                    f"a tensor named '{request.name}' is already in flight; every pending "
+                    f"operation needs a unique name (synchronize the earlier one first)")
+            request.handle = next(self._handle_ids)
+            request.submitted_at = time.monotonic()
+            self._handles[request.handle] = request
+            self._in_flight[request.name] = request
+            self._queue.append(request)
+            self._wakeup.notify()
+        return request.handle
+
+    def _request(self, handle: int) -> Request:
+        try:
+            return self._handles[handle]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown handle {handle!r}: it was never returned by an async "
+                             f"operation, or has already been synchronized") from None
+
+    def poll(self, handle: int) -> bool:
+        """True when the operation behind `handle` has finished (successfully or not)."""
+        return self._request(handle).done.is_set()
+
+    def wait(self, handle: int) -> Request:
+        """Block until `handle` completes; release it; raise its error if it failed."""
+        request = self._request(handle)
+        if not request.done.is_set():
+            with self._lock:
+                self._waiters += 1
+                self._wakeup.notify()
+            try:
+                while not request.done.wait(0.1):
+                    if not self._thread.is_alive() and not request.done.is_set():
+                        raise FusionRingError("the fusionring background loop has stopped")
+            finally:
+                with self._lock:
+                    self._waiters -= 1
+        with self._lock:
+            self._handles.pop(handle, None)
+        if request.error is not None:
+            raise request.error
+        return request
+
+    def set_fusion_groups(self, groups: Optional[Sequence[Sequence[str]]],
+                          label: str = "fusion_groups") -> None:
+        """Install plan groups (lists of tensor names) on every rank; None: threshold fusion.
+
+        A collective: every rank must call it with the same groups. It is negotiated like a
+        tensor, so all ranks switch in the same cycle, and differing groups raise a
+        TensorMismatchError on every rank.
+        """
+        groups = [list(g) for g in groups] if groups else None
+        digest = hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:16]
+        request = Request(f"fusion_groups.{label}", TensorSpec("fusion_groups", "none", (),
+                                                               detail=f"groups {digest}"),
+                          torch.empty(0, dtype=torch.uint8), None, payload=groups)
+        self.wait(self.submit(request))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Tell every rank this one is leaving, then stop the background loop."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._wakeup.notify()
+        self._thread.join(timeout_s)
+        if self._timeline is not None:
+            self._timeline.close()
+        for comm in (self._control_comm, self._data_comm):
+            try:
+                comm.Free()
+            except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ background side
+    def _complete(self, request: Request, error: Optional[BaseException] = None) -> None:
+        request.error = error
+        with self._lock:
+            if self._in_flight.get(request.name) is request:
+                del self._in_flight[request.name]
+        request.done.set()
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            self._failure = error
+            self._queue = []
+            unfinished = list(self._in_flight.values())
+        self._scheduler.reset()
+        self._pending.clear()
+        for request in unfinished:
+            self._complete(request, error)
+
+    def _loop(self) -> None:
+        cycle_s = self.config.cycle_time_ms / 1000.0
+        try:
+            while True:
+                started = time.monotonic()
+                with self._lock:
+                    new, self._queue = self._queue, []
+                    shutdown = self._shutdown_requested
+                    flush = self._waiters > 0
+                for request in new:
+                    self._pending[request.name] = request
+                stall_check = self._stall_check_due(started)
+                outcome = self._negotiator.cycle(
+                    [(r.name, r.spec, started - r.submitted_at) for r in self._pending.values()],
+                    flush=flush, shutdown=shutdown, stall_check=stall_check)
+                self.stats.cycles = self._negotiator.cycles
+                self.stats.full_exchanges = self._negotiator.full_exchanges
+                if outcome.shutdown_ranks:
+                    others = [r for r in outcome.shutdown_ranks if r != self.rank]
+                    reason = ("fusionring has been shut down" if not others else
+                              f"fusionring has been shut down because rank(s) "
+                              f"{', '.join(map(str, others))} shut down (finished, or failed "
+                              f"with an exception); operations still pending cannot complete")
+                    self._fail_everything(FusionRingError(reason))
+                    return
+                if outcome.stall_warning and self.rank == 0:
+                    print(outcome.stall_warning, file=sys.stderr, flush=True)
+                if outcome.abort:
+                    self._fail_everything(StallError(outcome.abort))
+                    return
+                for name, message in outcome.errors.items():
+                    self._complete(self._pending.pop(name), TensorMismatchError(message))
+                ready = []
+                for item in outcome.ready:
+                    request = self._pending.pop(item.name)
+                    request.ready_info = item
+                    ready.append(request)
+                if self._timeline is not None:
+                    self._timeline.mark("cycle")
+                    now = time.perf_counter()
+                    for request in ready:
+                        waited = time.monotonic() - request.submitted_at
+                        self._timeline.span(request.name, "negotiate", now - waited, now)
+                self._execute(ready, outcome.flush)
+                self._idle(started, cycle_s)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
+                                                  f"{self.rank}: {exc}"))
+
+    def _stall_check_due(self, now: float) -> bool:
+        warn = self.config.stall_warning_s
+        limits = [s for s in (warn, self.config.stall_shutdown_s) if s is not None]
+        if not limits or not self._pending:
+            return False
+        interval = min(limits) / 2
+        if now - self._last_stall_check < interval:
+            return False
+        oldest = now - next(iter(self._pending.values())).submitted_at
+        if oldest < min(limits):
+            return False
+        self._last_stall_check = now
+        return True
+
+    def _idle(self, started: float, cycle_s: float) -> None:
+        with self._lock:
+            if self._queue or self._shutdown_requested:
+                return
+            remaining = cycle_s - (time.monotonic() - started)
+            if remaining > 0:
+                self._wakeup.wait(remaining)
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, ready: List[Request], flush: bool) -> None:
+        for request in ready:
+            if request.spec.kind == "fusion_groups":
+                self._guarded([request], self._install_groups)
+        reductions = [Entry(name=r.name, nbytes=r.nbytes,
+                            fusion_key=(r.spec.dtype, r.core_op, r.prescale, r.postscale,
+                                        r.spec.compression),
+                            payload=r)
+                      for r in ready if r.spec.kind == "allreduce"]
+        if reductions or flush:
+            for batch in self._scheduler.schedule(reductions, flush=flush):
+                self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
+        for request in ready:
+            if request.spec.kind == "allgather":
+                self._guarded([request], self._allgather)
+            elif request.spec.kind == "broadcast":
+                self._guarded([request], self._broadcast)
+            elif request.spec.kind == "barrier":
+                self._guarded([request], self._barrier)
+
+    def _guarded(self, requests: List[Request], run) -> None:
+        try:
+            run(requests)
+        except ValueError as exc:
+            for request in requests:
+                self._complete(request, exc)
+            return
+        for request in requests:
+            self._complete(request)
+
+    def _install_groups(self, requests: List[Request]) -> None:
+        # Whatever the old plan still holds is reduced first, identically on every rank.
+        for batch in self._scheduler.schedule([], flush=True):
+            self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
+        self._scheduler = FusionScheduler(requests[0].payload, self.config.fusion_threshold_bytes)
+
+    @property
+    def scheduler(self) -> FusionScheduler:
+        return self._scheduler
+
+    def _fusion_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = self._fusion_buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 1024), dtype=dtype)
+            self._fusion_buffers[dtype] = buffer
+        return buffer[:numel]
+
+    def _allreduce_batch(self, requests: List[Request]) -> None:
+        first = requests[0]
+        code = DTYPE_CODES[first.output.dtype]
+        lane = first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
+        t0 = time.perf_counter()
+        if len(requests) == 1:
+            buffer = first.output
+        else:
+            buffer = self._fusion_buffer(first.output.dtype,
+                                         sum(r.output.numel() for r in requests))
+            _C.pack([r.output.data_ptr() for r in requests], [r.nbytes for r in requests],
+                    buffer.data_ptr())
+        t1 = time.perf_counter()
+        if first.communicator is not None:
+            first.communicator(self._core, buffer, requests)
+        else:
+            self._core.allreduce(buffer.data_ptr(), buffer.numel(), code, first.core_op,
+                                 first.prescale, first.postscale, self.config.ring_segment_bytes,
+                                 self.config.small_message_bytes)
+        t2 = time.perf_counter()
+        if len(requests) > 1:
+            _C.unpack(buffer.data_ptr(), [r.output.data_ptr() for r in requests],
+                      [r.nbytes for r in requests])
+        t3 = time.perf_counter()
+        nbytes = buffer.numel() * buffer.element_size()
+        self.stats.allreduce_batches += 1
+        self.stats.allreduce_tensors += len(requests)
+        self.stats.allreduce_bytes += nbytes
+        self.stats.bytes_sent += nbytes * 2 * (self.size - 1) // max(self.size, 1)
+        self.stats.batch_bytes.append(nbytes)
+        if len(self.stats.batch_bytes) > 100000:
+            del self.stats.batch_bytes[:50000]
+        if self._timeline is not None:
+            args = {"tensors": len(requests), "bytes": nbytes}
+            if len(requests) > 1:
+                self._timeline.span(lane, "pack", t0, t1, args)
+            self._timeline.span(lane, "reduce", t1, t2, args)
+            if len(requests) > 1:
+                self._timeline.span(lane, "unpack", t2, t3, args)
+
+    def _allgather(self, requests: List[Request]) -> None:
+        request = requests[0]
+        MPI = self._MPI
+        dims = request.ready_info.first_dims
+        rest = tuple(request.tensor.shape[1:]) if request.tensor.dim() > 0 else ()
+        row_bytes = request.tensor.element_size()
+        for d in rest:
+            row_bytes *= d
+        output = torch.empty((sum(dims),) + rest, dtype=request.tensor.dtype)
+        counts = [d * row_bytes for d in dims]
+        displacements = list(itertools.accumulate([0] + counts[:-1]))
+        self._data_comm.Allgatherv([byte_view(request.tensor), MPI.BYTE],
+                                   [byte_view(output), counts, displacements, MPI.BYTE])
+        request.output = output
+        self.stats.bytes_sent += sum(counts)
+
+    def _broadcast(self, requests: List[Request]) -> None:
+        request = requests[0]
+        if request.output.numel():
+            self._data_comm.Bcast([byte_view(request.output), self._MPI.BYTE], root=request.root)
+        self.stats.bytes_sent += request.nbytes
+
+    def _barrier(self, requests: List[Request]) -> None:
+        self._data_comm.Barrier()
+
+
+# ---------------------------------------------------------------------- process-wide state
+_runtime: Optional[Runtime] = None
+_atexit_registered = False
+
+
+def init(comm=None) -> Runtime:
+    """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
+    global _runtime, _atexit_registered
+    if _runtime is not None and _runtime.alive:
+        return _runtime
+    from mpi4py import MPI
+
+    if isinstance(comm, (list, tuple)):
+        ranks = [int(r) for r in comm]
+        comm = MPI.COMM_WORLD.Create(MPI.COMM_WORLD.Get_group().Incl(ranks))
+        if comm == MPI.COMM_NULL:
+            raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()} is not among the ranks {ranks} "
+                             f"passed to init(); every process must call init() with its ranks")
+    _runtime = Runtime(comm)
+    if not _atexit_registered:
+        atexit.register(shutdown)
+        _atexit_registered = True
+    return _runtime
+
+
+def shutdown() -> None:
+    """Stop the runtime on this rank; ranks still running see their pending ops fail."""
+    global _runtime
+    if _runtime is not None:
+        runtime, _runtime = _runtime, None
+        runtime.shutdown()
+
+
+def get(what: str = "this operation") -> Runtime:
+    """The live runtime, or NotInitializedError naming what was attempted."""
+    if _runtime is None:
+        raise NotInitializedError(what)
+    return _runtime
+
+
+def is_initialized() -> bool:
+    return _runtime is not None

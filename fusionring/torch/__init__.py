@@ -1,0 +1,20 @@
+"""Horovod-compatible PyTorch API: ``import fusionring.torch as hvd``."""
+from __future__ import annotations
+
+from ..compression import Compression, Compressor
+from ..exceptions import (FusionRingError, HorovodInternalError, NotInitializedError, StallError,
+                          TensorMismatchError)
+from ..ops import ReduceOp
+from .functions import (Average, Max, Min, Product, Sum, allgather, allgather_async,
+                        allgather_object, allreduce, allreduce_, allreduce_async,
+                        allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
+                        broadcast_async_, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters, communication_stats, cross_rank, cross_size,
+                        cuda_built, gloo_built, gloo_enabled, grouped_allreduce,
+                        grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                        init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                        mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, shutdown, size,
+                        synchronize)
+from .optimizer import DistributedOptimizer
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,536 @@
+"""Horovod-compatible collective functions on torch tensors.
+
+Each call builds runtime requests and returns a handle (async) or the result. The
+background loop does the work; these functions only prepare buffers and finish results
+(copy back, move to the original device) in the caller's thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import pickle
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import runtime as _rt
+from ..compression import Compression
+from ..negotiation import AUTO_NAME_MARK, TensorSpec
+from ..ops import ReduceOp, core_reduction, resolve_op
+
+Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
+                                   ReduceOp.Product)
+
+
+# ---------------------------------------------------------------------- process state
+def init(comm=None) -> None:
+    """Initialise fusionring (call once per process, on every rank)."""
+    _rt.init(comm)
+
+
+def shutdown() -> None:
+    """Stop fusionring on this rank."""
+    _rt.shutdown()
+
+
+def is_initialized() -> bool:
+    return _rt.is_initialized()
+
+
+def size() -> int:
+    """Number of ranks."""
+    return _rt.get("size()").size
+
+
+def rank() -> int:
+    """This process's rank, 0 <= rank < size()."""
+    return _rt.get("rank()").rank
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return _rt.get("local_size()").local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node."""
+    return _rt.get("local_rank()").local_rank
+
+
+def cross_size() -> int:
+    """Number of nodes (ranks sharing this one's local rank)."""
+    return _rt.get("cross_size()").cross_size
+
+
+def cross_rank() -> int:
+    """This node's index among the nodes."""
+    return _rt.get("cross_rank()").cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of ranks."""
+    r = _rt.get("is_homogeneous()")
+    return r.size == r.local_size * r.cross_size
+
+
+def mpi_threads_supported() -> bool:
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def cuda_built() -> bool:
+    from .. import _C
+
+    return bool(getattr(_C, "cuda_built", False))
+
+
+def communication_stats() -> Dict[str, Any]:
+    """Counters of this rank's runtime: cycles, fused batches, bytes reduced and sent."""
+    return _rt.get("communication_stats()").stats.as_dict()
+
+
+# ---------------------------------------------------------------------- handles
+@dataclasses.dataclass
+class _Operation:
+    handles: List[int]
+    finish: Callable[[List[_rt.Request]], Any]
+
+
+_operations: Dict[int, _Operation] = {}
+_operation_ids = itertools.count()
+_auto_names = itertools.count()
+_handles_lock = threading.Lock()
+
+
+def _register(handles: List[int], finish: Callable[[List[_rt.Request]], Any]) -> int:
+    with _handles_lock:
+        handle = next(_operation_ids)
+        _operations[handle] = _Operation(handles, finish)
+    return handle
+
+
+def _lookup(handle: int) -> _Operation:
+    with _handles_lock:
+        operation = _operations.get(handle) if isinstance(handle, int) else None
+    if operation is None:
+        raise ValueError(f"unknown handle {handle!r}: it was not returned by an async operation "
+                         f"or has already been synchronized")
+    return operation
+
+
+def poll(handle: int) -> bool:
+    """True when the asynchronous operation behind `handle` has completed."""
+    runtime = _rt.get("poll()")
+    return all(runtime.poll(h) for h in _lookup(handle).handles)
+
+
+def synchronize(handle: int):
+    """Wait for an asynchronous operation and return its result (raises on failure)."""
+    runtime = _rt.get("synchronize()")
+    operation = _lookup(handle)
+    with _handles_lock:
+        _operations.pop(handle, None)
+    requests, error = [], None
+    for h in operation.handles:  # wait for all, even after a failure, to release them
+        try:
+            requests.append(runtime.wait(h))
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+    if error is not None:
+        raise error
+    return operation.finish(requests)
+
+
+# ---------------------------------------------------------------------- request building
+def _full_name(kind: str, name: Optional[str]) -> str:
+    if name is None:
+        return f"{kind}{AUTO_NAME_MARK}{next(_auto_names)}"
+    return f"{kind}.{name}"
+
+
+def _host(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A contiguous CPU tensor holding the data (device tensors are staged through host)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
+    _rt.check_dtype(tensor, name)
+    if tensor.layout != torch.strided:
+        raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and host.data_ptr() == tensor.data_ptr()
+
+
+def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
+                       prescale_factor: float, postscale_factor: float,
+                       in_place: bool, compression=None) -> _rt.Request:
+    runtime = _rt.get("allreduce")
+    full = _full_name("allreduce", name)
+    reduce_op = resolve_op(op, average)
+    host = _host(tensor, name or full)
+    output = host if in_place or not _shares_memory(host, tensor) else host.clone()
+    core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
+    # Compressors that reduce inside the runtime (their own collective on the fused
+    # buffer) travel with the request; Horovod-style ones were applied by the caller.
+    in_runtime = compression is not None and getattr(compression, "in_runtime", False)
+    spec = TensorSpec("allreduce", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
+                      op=reduce_op.name, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor),
+                      compression=compression.name if in_runtime else "")
+    return _rt.Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
+                       communicator=compression.communicate if in_runtime else None)
+
+
+def _submit(requests: List[_rt.Request]) -> List[int]:
+    runtime = _rt.get("a collective operation")
+    handles = []
+    try:
+        for request in requests:
+            handles.append(runtime.submit(request))
+    except BaseException:
+        for h in handles:  # a later name clashed: do not leave earlier ones unowned
+            try:
+                runtime.wait(h)
+            except BaseException:  # noqa: BLE001
+                pass
+        raise
+    return handles
+
+
+def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
+    """Result finisher: copy into the user's tensors for in-place ops, else return outputs."""
+
+    def finish(requests: List[_rt.Request]):
+        results = []
+        for request, target in zip(requests, targets):
+            out = request.output
+            if target is not None:
+                if out.data_ptr() != target.data_ptr():
+                    with torch.no_grad():
+                        target.copy_(out)
+                out = target
+            results.append(out)
+        return results[0] if single else results
+
+    return finish
+
+
+# ---------------------------------------------------------------------- allreduce
+def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set=None) -> int:
+    """Start an allreduce of `tensor` into a new tensor; returns a handle."""
+    request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
+                                 in_place=False)
+    device = tensor.device
+
+    def finish(requests):
+        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
+
+    return _register(_submit([request]), finish)
+
+
+def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set=None, compression=None) -> int:
+    """Start an in-place allreduce of `tensor`; returns a handle.
+
+    `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
+    """
+    request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
+                                 in_place=True, compression=compression)
+    return _register(_submit([request]), _finish_into([tensor], single=True))
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        return synchronize(allreduce_async(tensor, name=name, op=op,
+                                           prescale_factor=prescale_factor,
+                                           postscale_factor=postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=ctx.op,
+                                              prescale_factor=ctx.scales[0],
+                                              postscale_factor=ctx.scales[1]))
+        return reduced, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
+              compression=Compression.none, op=None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
+    """Reduce `tensor` over all ranks and return the result (differentiable).
+
+    op: Average (default), Sum, Min, Max or Product. `compression` encodes the tensor
+    for the wire (Compression.fp16 sends float16).
+    """
+    reduce_op = resolve_op(op, average)
+    tensor_compressed, ctx = compression.compress(tensor)
+    if isinstance(tensor_compressed, torch.Tensor):
+        summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op, prescale_factor,
+                                          postscale_factor)
+        return compression.decompress(summed, ctx)
+    return _compressed_allreduce(tensor_compressed, ctx, compression, name, reduce_op,
+                                 prescale_factor, postscale_factor)
+
+
+def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, postscale):
+    """Compressors whose payload is several tensors reduce each part (summable encodings)."""
+    parts = list(payload)
+    base = name if name is not None else f"compressed{AUTO_NAME_MARK}{next(_auto_names)}"
+    reduced = grouped_allreduce(parts, name=base, op=reduce_op, prescale_factor=prescale,
+                                postscale_factor=postscale)
+    return compression.decompress(type(payload)(reduced) if isinstance(payload, tuple)
+                                  else reduced, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set=None) -> torch.Tensor:
+    """In-place allreduce; returns `tensor`."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor))
+
+
+def _group_names(name: Optional[str], count: int) -> List[Optional[str]]:
+    if name is None:
+        return [None] * count
+    return [f"{name}.{i}" for i in range(count)]
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
+                            name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set=None) -> int:
+    """Start an allreduce of several tensors as one operation; returns one handle."""
+    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, False)
+                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    devices = [t.device for t in tensors]
+
+    def finish(done):
+        return [r.output.to(d) if d.type != "cpu" else r.output for r, d in zip(done, devices)]
+
+    return _register(_submit(requests), finish)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
+                             name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set=None) -> int:
+    """Start an in-place allreduce of several tensors; returns one handle."""
+    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True)
+                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _register(_submit(requests), _finish_into(list(tensors), single=False))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optional[str] = None,
+                      compression=Compression.none, op=None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
+    """Allreduce several tensors together and return the results."""
+    compressed = [compression.compress(t) for t in tensors]
+    outputs = synchronize(grouped_allreduce_async([c[0] for c in compressed], average, name, op,
+                                                  prescale_factor, postscale_factor))
+    return [compression.decompress(o, c[1]) for o, c in zip(outputs, compressed)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Optional[str] = None,
+                       op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set=None) -> List[torch.Tensor]:
+    """In-place allreduce of several tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor))
+
+
+# ---------------------------------------------------------------------- allgather
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
+    """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
+    runtime = _rt.get("allgather")
+    full = _full_name("allgather", name)
+    host = _host(tensor, name or full)
+    if host.dim() == 0:
+        host = host.reshape(1)
+    spec = TensorSpec("allgather", _rt.dtype_name(tensor.dtype), tuple(host.shape))
+    request = _rt.Request(full, spec, host, None)
+    device = tensor.device
+
+    def finish(requests):
+        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
+
+    return _register(_submit([request]), finish)
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        return synchronize(allgather_async(tensor, name=name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dims = synchronize(allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64)))
+        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
+        offset = int(dims[: rank()].sum())
+        return reduced.narrow(0, offset, ctx.dim0), None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dim 0 (differentiable)."""
+    return _AllgatherFunction.apply(tensor, name)
+
+
+# ---------------------------------------------------------------------- broadcast
+def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                       in_place: bool) -> _rt.Request:
+    runtime = _rt.get("broadcast")
+    if not 0 <= int(root_rank) < runtime.size:
+        raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size} ranks")
+    full = _full_name("broadcast", name)
+    host = _host(tensor, name or full)
+    output = host if in_place or not _shares_memory(host, tensor) else host.clone()
+    spec = TensorSpec("broadcast", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
+                      root=int(root_rank))
+    return _rt.Request(full, spec, host, output, root=int(root_rank))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set=None) -> int:
+    """Start broadcasting root's `tensor` into a new tensor on every rank."""
+    request = _broadcast_request(tensor, root_rank, name, in_place=False)
+    device = tensor.device
+
+    def finish(requests):
+        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
+
+    return _register(_submit([request]), finish)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set=None) -> int:
+    """Start broadcasting root's `tensor` into `tensor` on every rank."""
+    request = _broadcast_request(tensor, root_rank, name, in_place=True)
+    return _register(_submit([request]), _finish_into([tensor], single=True))
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
+        if rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set=None) -> torch.Tensor:
+    """Return root's `tensor` on every rank (differentiable)."""
+    return _BroadcastFunction.apply(tensor, root_rank, name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set=None) -> torch.Tensor:
+    """Overwrite `tensor` with root's on every rank; returns `tensor`."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def broadcast_parameters(params, root_rank: int) -> None:
+    """Broadcast a state_dict or (name, tensor) pairs from root, in place."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError("broadcast_parameters expects a dict (state_dict) or a sequence of "
+                         "(name, tensor) pairs")
+    handles = []
+    for name, p in items:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: '{name}' is a {type(p).__name__}, "
+                             f"not a tensor")
+        handles.append(broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p,
+                                        root_rank, name=None if name is None else
+                                        f"parameter.{name}"))
+    for h in handles:
+        synchronize(h)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state (and hyper-parameters) equal to root's."""
+    state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
+                             name="optimizer_state")
+    if rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Pickle `obj` on root and return it on every rank."""
+    base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
+    is_root = rank() == root_rank
+    payload = _to_bytes(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    length = broadcast_(length, root_rank, name=f"{base}.size")
+    if not is_root:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    payload = broadcast_(payload, root_rank, name=f"{base}.data")
+    return obj if is_root else _from_bytes(payload)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Pickle `obj` on every rank and return the list of all ranks' objects."""
+    base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
+    payload = _to_bytes(obj)
+    sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
+                                        name=f"{base}.sizes"))
+    gathered = synchronize(allgather_async(payload, name=f"{base}.data"))
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(_from_bytes(gathered[offset:offset + n]))
+        offset += n
+    return out
+
+
+# ---------------------------------------------------------------------- barrier
+def barrier(process_set=None) -> None:
+    """Block until every rank reaches the barrier."""
+    runtime = _rt.get("barrier()")
+    request = _rt.Request("barrier", TensorSpec("barrier", "none", ()),
+                          torch.empty(0, dtype=torch.uint8), None)
+    synchronize(_register([runtime.submit(request)], lambda requests: None))

@@ -1,0 +1,292 @@
+"""DistributedOptimizer: wraps any torch.optim optimizer with gradient allreduce.
+
+Gradients are submitted as they become ready during backward (post-accumulate-grad
+hooks), fused by the runtime's scheduler (a grouping plan's groups, or threshold fusion)
+and averaged across ranks before the wrapped optimizer's step.
+
+The wrapper is an ordinary class (no subclass built with ``type()``); it shares the
+wrapped optimizer's ``param_groups`` and ``state``, so LR schedulers and checkpoints see
+one optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import runtime as _rt
+from ..compression import Compression
+from ..config import settings
+from ..ops import ReduceOp
+from . import functions as F
+
+_RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
+                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                 "a race condition.")
+_TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_step times before "
+                       "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                       "locally.")
+
+
+def _names_of(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.Tensor, str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"param.{g}.{i}" for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    names = [name for name, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique; repeated: "
+                         f"{', '.join(duplicates)}")
+    by_param = {}
+    for name, p in named:
+        by_param.setdefault(p, name)  # a tied parameter keeps its first name
+    unnamed = [id(p) for p in params if p not in by_param]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but one or more model parameters were "
+                         f"not named. Python object ids: {', '.join(map(str, unnamed))}")
+    return {p: by_param[p] for p in params}
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Averages gradients across ranks before delegating ``step()`` to `optimizer`.
+
+    Arguments follow Horovod's: `compression` (e.g. Compression.fp16),
+    `backward_passes_per_step` (local accumulation), `op` (Average, Sum, ...),
+    `gradient_predivide_factor` (split the averaging before/after the sum), `groups`
+    (explicit fusion groups: an int or lists of parameters) and `grouping_plan` (a plan
+    made by ``fusionring plan``: a path or a Plan, fusing gradients in balanced groups).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                 compression=Compression.none, backward_passes_per_step: int = 1,
+                 op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+                 groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
+                 grouping_plan=None, sparse_as_dense: bool = False) -> None:
+        runtime = _rt.get("DistributedOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        op = ReduceOp(int(op))
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        # Optimizer.__init__ sets up torch's hook tables; the groups and state are then
+        # rebound to the wrapped optimizer's own objects so both stay one.
+        self._wrapping = False
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._wrapping = True
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer = optimizer
+        self._compression = compression
+        self._op = op
+        self._gradient_predivide_factor = float(gradient_predivide_factor)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._sparse_as_dense = sparse_as_dense
+        self._parameter_names = _names_of(optimizer, named_parameters)
+        self._requires_update = [p for group in self.param_groups for p in group["params"]
+                                 if p.requires_grad]
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._requires_update}
+        self._handles: Dict[torch.Tensor, Tuple[Optional[int], object]] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = []
+        self._last_step_end = time.perf_counter()
+        self._slowdown = settings().slowdown_factor
+        self._size = runtime.size
+        fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
+        if self._size > 1:
+            if fusion_groups is not None:
+                runtime.set_fusion_groups(fusion_groups)
+            self._register_hooks()
+
+    # ------------------------------------------------------------------ setup
+    def _tensor_name(self, p: torch.Tensor) -> str:
+        return self._parameter_names[p]
+
+    def _fusion_groups(self, groups, grouping_plan, named_parameters) -> Optional[List[List[str]]]:
+        if groups is not None and grouping_plan is not None:
+            raise ValueError("pass either groups or grouping_plan, not both")
+        full = lambda p: f"allreduce.{self._tensor_name(p)}"  # noqa: E731 - the wire name
+        if isinstance(groups, int):
+            if groups < 1:
+                raise ValueError("groups must be a positive int or a list of parameter lists")
+            params = self._requires_update
+            bounds = [round(i * len(params) / groups) for i in range(groups + 1)]
+            return [[full(p) for p in params[a:b]] for a, b in zip(bounds, bounds[1:]) if b > a]
+        if groups is not None:
+            known = set(self._requires_update)
+            out = []
+            for group in groups:
+                missing = [p for p in group if p not in known]
+                if missing:
+                    raise ValueError("groups lists a parameter the optimizer does not update")
+                out.append([full(p) for p in group])
+            return out
+        source = grouping_plan if grouping_plan is not None else settings().grouping_plan_path
+        if source is None:
+            return None
+        from ..plan import load_plan
+        from ..scheduler import tensor_groups_from_plan
+
+        plan = load_plan(source)
+        if named_parameters is None:
+            raise ValueError("grouping_plan needs named_parameters (model.named_parameters()) "
+                             "to match the plan's parameter names")
+        by_name = {name: p for p, name in self._parameter_names.items()}
+        plan.check_model([(name, p) for name, p in by_name.items()])
+        updated = set(self._requires_update)
+        return tensor_groups_from_plan(
+            plan, lambda n: f"allreduce.{n}" if n in by_name and by_name[n] in updated else None)
+
+    def _register_hooks(self) -> None:
+        for p in self._requires_update:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ gradient flow
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p][0] is not None:
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY_BACKWARDS)
+        self._allreduce_delay[p] -= 1
+        handle, ctx = None, None
+        if self._allreduce_delay[p] == 0:
+            handle, ctx = self._allreduce_grad_async(p)
+        self._handles[p] = (handle, ctx)
+
+    def _allreduce_grad_async(self, p: torch.Tensor):
+        grad = p.grad
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(f"parameter '{self._tensor_name(p)}' has a sparse gradient; "
+                                 f"pass sparse_as_dense=True")
+            grad = p.grad = grad.to_dense()
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = 1.0, 1.0
+        if self._op == ReduceOp.Average:
+            prescale = 1.0 / self._gradient_predivide_factor
+            postscale = self._gradient_predivide_factor
+        handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
+                                    prescale_factor=prescale, postscale_factor=postscale)
+        return handle, ctx
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce (submitting any not yet submitted)."""
+        if self._size == 1:
+            self._synchronized = True
+            return
+        for p in self._requires_update:
+            if p not in self._handles:
+                # Unused on this rank: send zeros so ranks that did use it do not hang.
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, ctx) in list(self._handles.items()):
+            if handle is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        errors = []
+        for p, (handle, ctx) in self._handles.items():
+            try:
+                output = F.synchronize(handle)
+            except Exception as exc:  # noqa: BLE001 - release every handle, then raise
+                errors.append(exc)
+                continue
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            result = self._compression.decompress(output, ctx)
+            if result.data_ptr() != p.grad.data_ptr():
+                with torch.no_grad():
+                    p.grad.copy_(result)
+        self._handles.clear()
+        for p in self._requires_update:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+        if errors:
+            raise errors[0]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block, step() does not synchronize (call synchronize() yourself)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def _slow_down(self) -> None:
+        # Straggler emulation (fusionrun --slow): stretch this rank's compute time.
+        if self._slowdown > 1.0:
+            time.sleep((self._slowdown - 1.0) * (time.perf_counter() - self._last_step_end))
+
+    def step(self, closure=None):
+        """Synchronize gradients (unless skipped), then run the wrapped optimizer's step."""
+        self._slow_down()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        try:
+            return self._optimizer.step(closure)
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refuses while allreduces of this step are in flight."""
+        if self._handles:
+            raise AssertionError(_RACE_MESSAGE)
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        state = self._optimizer.state_dict()
+        extra = getattr(self._compression, "state_dict", None)
+        if callable(extra):
+            state = dict(state)
+            state["fusionring"] = {"compression": extra()}
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("fusionring", None)
+        self._optimizer.load_state_dict(state_dict)
+        self.param_groups = self._optimizer.param_groups
+        self.state = self._optimizer.state
+        if extra and callable(getattr(self._compression, "load_state_dict", None)):
+            self._compression.load_state_dict(extra["compression"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self.__dict__.get("_wrapping"):  # called by Optimizer.__init__ itself
+            return super().add_param_group(param_group)
+        self._optimizer.add_param_group(param_group)
+        for p in param_group["params"] if isinstance(param_group["params"], list) else []:
+            if p.requires_grad and p not in self._allreduce_delay:
+                self._parameter_names.setdefault(p, f"param.{len(self.param_groups) - 1}."
+                                                    f"{len(self._requires_update)}")
+                self._requires_update.append(p)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+                if self._size > 1:
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r})"
+
+    def __getattr__(self, name: str):
+        # Attributes particular to the wrapped optimizer (e.g. LBFGS internals).
+        optimizer = self.__dict__.get("_optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)

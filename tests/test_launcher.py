@@ -1,0 +1,235 @@
+"""fusionrun: the command it builds for each MPI flavour, and real runs through the environment's mpiexec."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fusionring import run
+
+REPO = Path(__file__).resolve().parents[1]
+
+MPICH_VERSION = textwrap.dedent("""\
+    HYDRA build details:
+        Version:                                 4.1.2
+        Process Manager:                         pmi
+    """)
+OPEN_MPI_VERSION = "mpirun (Open MPI) 4.1.5\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def fusionrun(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``python -m fusionring.run ARGS`` from the checkout, with a timeout."""
+    return subprocess.run([sys.executable, "-m", "fusionring.run", *args], cwd=REPO, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fake_mpiexec(tmp_path):
+    """Make a stand-in mpiexec: answers ``--version`` with the given text, else prints argv and env."""
+
+    def make(version_text: str) -> str:
+        path = tmp_path / "mpiexec"
+        path.write_text(textwrap.dedent(f"""\
+            #!{sys.executable}
+            import json, os, sys
+            if sys.argv[1:] == ["--version"]:
+                sys.stdout.write({version_text!r})
+                sys.exit(0)
+            print(json.dumps({{"argv": sys.argv[1:], "env": {{k: v for k, v in os.environ.items()
+                                                          if k.startswith(("OMPI_", "MPIR_", "FI_"))}}}}))
+            sys.exit(int(os.environ.get("FAKE_MPIEXEC_EXIT", "0")))
+            """))
+        path.chmod(0o755)
+        return str(path)
+
+    return make
+
+
+def _dry_run(mpiexec: str, *args: str) -> str:
+    done = fusionrun("--mpiexec", mpiexec, "--dry-run", *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+# ------------------------------------------------------------------------------ flavour detection
+
+@pytest.mark.parametrize("text, flavour", [
+    (MPICH_VERSION, run.MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", run.MPICH),
+    (OPEN_MPI_VERSION, run.OPEN_MPI),
+    ("mpiexec (Open MPI) 5.0.11\n", run.OPEN_MPI),
+    ("mpirun (OpenRTE) 1.10.7\n", run.OPEN_MPI),
+    ("prterun (PRRTE) 3.0.6\n", run.OPEN_MPI),
+    ("some other launcher 1.0\n", run.UNKNOWN),
+])
+def test_flavour_is_read_from_version_output(text, flavour):
+    assert run.flavour_from_version(text) == flavour
+
+
+def test_environment_mpiexec_is_found_beside_python_and_recognised():
+    mpiexec = run.find_mpiexec()
+    assert os.access(mpiexec, os.X_OK)
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        assert mpiexec == str(beside)
+    assert run.detect_flavour(mpiexec) in (run.MPICH, run.OPEN_MPI)
+
+
+def test_missing_mpiexec_is_a_clear_error(tmp_path, monkeypatch):
+    done = fusionrun("--mpiexec", str(tmp_path / "nope"), "-np", "2", "python", "x.py")
+    assert done.returncode == 2 and "not found" in done.stderr
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(run.LaunchError, match="no mpiexec found"):
+        run.find_mpiexec()
+
+
+# -------------------------------------------------------------------------------------- dry runs
+
+def test_dry_run_for_mpich_is_plain_mpiexec(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    line = _dry_run(mpiexec, "-np", "2", "python", "train.py", "--lr", "0.1", "--name", "a b")
+    assert shlex.split(line) == [mpiexec, "-n", "2", "python", "train.py", "--lr", "0.1", "--name", "a b"]
+
+
+def test_dry_run_for_open_mpi_adds_oversubscribe_and_root_permission(fake_mpiexec):
+    mpiexec = fake_mpiexec(OPEN_MPI_VERSION)
+    words = shlex.split(_dry_run(mpiexec, "-np", "4", "python", "train.py"))
+    if os.geteuid() == 0:
+        assert words[:2] == ["OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"]
+        assert words[2:] == [mpiexec, "--oversubscribe", "--allow-run-as-root", "-n", "4", "python", "train.py"]
+    else:
+        assert words == [mpiexec, "--oversubscribe", "-n", "4", "python", "train.py"]
+
+
+def test_open_mpi_root_settings_depend_on_root_only():
+    request = run.parse_args(["-np", "2", "python", "t.py"])
+    as_root = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=True)
+    as_user = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    assert as_root.env_added == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    assert "--allow-run-as-root" in as_root.argv
+    assert as_user.env_added == {} and "--allow-run-as-root" not in as_user.argv
+    assert run.build_launch(request, "mpiexec", run.MPICH, running_as_root=True).env_added == {}
+
+
+def test_unknown_options_pass_through_unchanged_before_the_program(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    words = shlex.split(_dry_run(mpiexec, "-np", "2", "-hosts", "localhost", "-genv", "A", "1",
+                                 "--verbose", "--map-by=core", "python", "t.py", "-hosts", "x"))
+    assert words == [mpiexec, "-hosts", "localhost", "-genv", "A", "1", "--verbose", "--map-by=core",
+                     "-n", "2", "python", "t.py", "-hosts", "x"]
+
+
+def test_double_dash_ends_the_options_and_later_ones_belong_to_the_program(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    words = shlex.split(_dry_run(mpiexec, "-np", "2", "--verbose", "--", "python", "t.py", "--", "-np", "9"))
+    assert words == [mpiexec, "--verbose", "-n", "2", "python", "t.py", "--", "-np", "9"]
+
+
+def test_slow_rank_gets_the_slowdown_env_and_no_other_rank_does(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    words = shlex.split(_dry_run(mpiexec, "-np", "4", "--slow", "1:3", "python", "t.py"))
+    segments = " ".join(words[1:]).split(" : ")
+    assert segments == ["-n 1 python t.py", "-n 1 env FUSIONRING_SLOWDOWN=3 python t.py", "-n 2 python t.py"]
+
+
+def test_cluster_dry_run_starts_each_rank_in_its_namespace_over_tcp(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpiexec, "--dry-run", "--cluster", "2", "--rate", "100mbit",
+                     "--slow", "1:2", "python", "t.py")
+    assert done.returncode == 0, done.stderr
+    words = shlex.split(done.stdout.strip())
+    env = dict(word.split("=", 1) for word in words[:4])
+    assert env == {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+                   "FI_TCP_IFACE": "eth0"}
+    segments = " ".join(words[5:]).split(" : ")
+    assert len(segments) == 2
+    assert segments[0].endswith("netns exec fr0 python t.py") and segments[0].startswith("-n 1 ")
+    assert segments[1].endswith("netns exec fr1 env FUSIONRING_SLOWDOWN=2 python t.py")
+    assert "up 2 --rate 100mbit" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-np", "3", "--cluster", "2", "python", "t.py"], "must equal -np"),
+    (["-np", "2", "--cluster", "2", "--rate", "fast", "python", "t.py"], "invalid rate"),
+    (["-np", "2", "--rate", "1gbit", "python", "t.py"], "only applies with --cluster"),
+    (["-np", "2", "--slow", "2:3", "python", "t.py"], "does not exist"),
+    (["-np", "2", "--slow", "1:0", "python", "t.py"], "RANK:FACTOR"),
+    (["-np", "2"], "no program"),
+    (["python", "t.py"], "-np N is required"),
+])
+def test_bad_command_lines_exit_2_with_the_reason(fake_mpiexec, args, message):
+    done = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_cluster_is_refused_for_open_mpi(fake_mpiexec):
+    done = fusionrun("--mpiexec", fake_mpiexec(OPEN_MPI_VERSION), "--dry-run", "--cluster", "2",
+                     "python", "t.py")
+    assert done.returncode == 2 and "needs MPICH" in done.stderr
+
+
+def test_run_executes_the_dry_run_command_with_its_env(fake_mpiexec):
+    mpiexec = fake_mpiexec(OPEN_MPI_VERSION)
+    args = ["-np", "2", "--slow", "0:1.5", "-x", "A=1", "python", "t.py"]
+    printed = shlex.split(_dry_run(mpiexec, *args))
+    done = fusionrun("--mpiexec", mpiexec, *args)
+    assert done.returncode == 0, done.stderr
+    ran = json.loads(done.stdout)
+    at = printed.index(mpiexec)
+    assert ran["argv"] == printed[at + 1:]
+    for assignment in printed[:at]:
+        name, value = assignment.split("=", 1)
+        assert ran["env"][name] == value
+
+
+# ------------------------------------------------------------------------------------- real runs
+
+# one write per line: mpiexec forwards each rank's output in the pieces the rank wrote it in
+REPORT_RANK = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+               "line = f'rank {c.rank} of {c.size} sum {c.allreduce(c.rank + 1)} "
+               "slowdown {os.environ.get(\"FUSIONRING_SLOWDOWN\", \"-\")}\\n'; "
+               "os.write(1, line.encode())")
+
+
+def test_two_ranks_run_and_allreduce_through_the_environment_mpiexec():
+    done = fusionrun("-np", "2", sys.executable, "-c", REPORT_RANK)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2 sum 3 slowdown -", "rank 1 of 2 sum 3 slowdown -"]
+
+
+def test_slowdown_reaches_only_the_named_rank_in_a_real_run():
+    done = fusionrun("-np", "3", "--slow", "1:3", sys.executable, "-c", REPORT_RANK)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 3 sum 6 slowdown -", "rank 1 of 3 sum 6 slowdown 3",
+                     "rank 2 of 3 sum 6 slowdown -"]
+
+
+def test_exit_code_of_the_job_is_the_exit_code_of_fusionrun():
+    program = "from mpi4py import MPI; import sys; MPI.COMM_WORLD.Barrier(); sys.exit(3)"
+    done = fusionrun("-np", "2", sys.executable, "-c", program)
+    assert done.returncode == 3, done.stderr
+
+
+def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
+    mpiexec = fake_mpiexec(MPICH_VERSION)
+    env = _env()
+    env["FAKE_MPIEXEC_EXIT"] = "7"
+    done = subprocess.run([sys.executable, "-m", "fusionring.run", "--mpiexec", mpiexec, "-np", "1", "true"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7
