@@ -73,6 +73,12 @@ class Outcome:
     stall_warning: Optional[str] = None
 
 
+def display_name(name: str) -> str:
+    """"allreduce.layer1.weight" -> "allreduce 'layer1.weight'" for messages."""
+    kind, _, rest = name.partition(".")
+    return f"{kind} '{rest}'" if rest else f"'{name}'"
+
+
 def _ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
@@ -151,7 +157,8 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     if stalled and stall_warning_s is not None:
         late = [(n, m, a) for n, m, a in stalled if a >= stall_warning_s]
         if late:
-            lines = [f"  '{n}' waiting {a:.1f} s for {_ranks_text(m)}" for n, m, a in late]
+            lines = [f"  {display_name(n)} waiting {a:.1f} s for {_ranks_text(m)}"
+                     for n, m, a in late]
             outcome.stall_warning = (
                 "fusionring: some tensors were submitted by a subset of ranks and are waiting "
                 "for the rest (a rank may be stuck, or ranks run different code paths):\n"
@@ -159,7 +166,7 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     if stalled and stall_shutdown_s is not None:
         dead = [(n, m, a) for n, m, a in stalled if a >= stall_shutdown_s]
         if dead:
-            lines = [f"'{n}' (missing on {_ranks_text(m)})" for n, m, _ in dead]
+            lines = [f"{display_name(n)} (missing on {_ranks_text(m)})" for n, m, _ in dead]
             outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
                              f"tensors that some ranks never submitted: " + ", ".join(lines))
     return outcome

@@ -1,0 +1,98 @@
+"""Ring allreduce against numpy at 1-4 ranks: every dtype, op and awkward size."""
+import pytest
+
+from conftest import run_ranks
+
+CASES = r'''
+import numpy as np, torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+from fusionring import _C
+from fusionring.runtime import DTYPE_CODES
+
+hvd.init()
+comm = MPI.COMM_WORLD
+rank, size = hvd.rank(), hvd.size()
+core = _C.Communicator(MPI._handleof(comm.Dup()))
+SIZES = [0, 1, 2, size - 1, size + 1, 7, 17, 1021, 40009]
+OPS = {"Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product,
+       "Average": hvd.Average}
+
+def data(dtype, n, r, op):
+    g = torch.Generator().manual_seed(1000 * r + n)
+    if op == "Product":
+        vals = torch.randint(0, 3, (n,), generator=g) - 1  # -1, 0, 1: exact in every dtype
+        vals[vals == 0] = 1
+        return vals.to(dtype)
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dtype)
+    lo = 0 if dtype == torch.uint8 else -40
+    return torch.randint(lo, 40, (n,), generator=g).to(dtype)
+
+def reference(dtype, n, op):
+    xs = [data(dtype, n, r, op).double() for r in range(size)]
+    if op in ("Sum", "Average"):
+        out = sum(xs)
+        if op == "Average":
+            out = out / size
+    elif op == "Min":
+        out = torch.stack(xs).min(0).values if n else xs[0]
+    elif op == "Max":
+        out = torch.stack(xs).max(0).values if n else xs[0]
+    else:
+        out = torch.stack(xs).prod(0) if n else xs[0]
+    if dtype == torch.uint8 and op == "Sum":  # wraps modulo 256
+        out = torch.remainder(sum(x.long() for x in xs), 256).double()
+    if dtype == torch.uint8 and op == "Product" and n:
+        out = torch.remainder(torch.stack([x.long() for x in xs]).prod(0), 256).double()
+    return out
+
+failures = []
+def check(label, got, dtype, n, op):
+    ref = reference(dtype, n, op)
+    got64 = got.double()
+    if dtype in (torch.float16, torch.bfloat16):
+        tol = (2e-2 if dtype == torch.float16 else 8e-2) * size
+        ok = torch.allclose(got64, ref, atol=tol, rtol=tol)
+    elif dtype.is_floating_point:
+        ok = torch.allclose(got64, ref, atol=1e-5, rtol=1e-5)
+    elif op == "Average":
+        ok = torch.equal(got64, torch.trunc(reference(dtype, n, "Sum") / size)) if dtype != torch.uint8 else True
+    else:
+        ok = torch.equal(got64, ref)
+    # Every rank must hold the very same bits.
+    same = len(set(comm.allgather(got.contiguous().view(torch.uint8).numpy().tobytes()))) == 1
+    if not ok or not same:
+        failures.append(f"{label} {dtype} n={n} op={op} ok={ok} identical={same}")
+
+for dtype in DTYPE_CODES:
+    for op in OPS:
+        for n in SIZES:
+            x = data(dtype, n, rank, op)
+            # The user API.
+            got = hvd.allreduce(x, name=f"{dtype}.{op}.{n}", op=OPS[op])
+            check("api", got, dtype, n, op)
+            if op == "Average":
+                continue
+            # The core directly, forcing each algorithm.
+            code = {"Sum": 0, "Min": 1, "Max": 2, "Product": 3}[op]
+            for algorithm in ("ring", "recursive_doubling"):
+                y = x.clone()
+                core.allreduce(y.data_ptr(), n, DTYPE_CODES[dtype], code, 1.0, 1.0, 4096, 0,
+                               algorithm)
+                check(algorithm, y, dtype, n, op)
+
+# Prescale / postscale compose with Average exactly as documented: (sum(pre*x)/size)*post.
+x = data(torch.float64, 1000, rank, "Sum")
+got = hvd.allreduce(x, name="scaled", op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5)
+if not torch.allclose(got, reference(torch.float64, 1000, "Sum") / size, atol=1e-12):
+    failures.append("prescale/postscale")
+report(failures)
+'''
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_allreduce_matches_numpy_for_every_dtype_op_and_size(np_, tmp_path):
+    results = run_ranks(np_, CASES, tmp_path, timeout=240)
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:10]}"

@@ -1,0 +1,101 @@
+"""The Horovod-compatible API at several ranks, checked against local references."""
+import pytest
+
+from conftest import run_ranks
+
+API = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+
+# allgather with a different first dimension on every rank, and a 0-d tensor
+g = hvd.allgather(torch.full((r + 1, 3), float(r)), name="rows")
+out["allgather"] = torch.equal(g, torch.cat([torch.full((k + 1, 3), float(k)) for k in range(P)]))
+out["allgather_scalar"] = hvd.allgather(torch.tensor(r * 1.5)).tolist() == [k * 1.5 for k in range(P)]
+bf = hvd.allgather(torch.full((2,), float(r), dtype=torch.bfloat16))
+out["allgather_bf16"] = bf.float().tolist() == sum([[float(k)] * 2 for k in range(P)], [])
+
+# broadcast: new tensor, in place, from a non-zero root
+root = P - 1
+b = hvd.broadcast(torch.arange(5.0) + r, root_rank=root, name="b")
+out["broadcast"] = torch.equal(b, torch.arange(5.0) + root)
+t = torch.zeros(4, dtype=torch.int64) + r
+hvd.broadcast_(t, root_rank=root, name="b_")
+out["broadcast_"] = t.tolist() == [root] * 4
+
+# async + poll + synchronize, several in flight at once
+handles = [hvd.allreduce_async(torch.full((10,), float(r + i)), name=f"a{i}", op=hvd.Sum)
+           for i in range(5)]
+results = [hvd.synchronize(h) for h in handles]
+out["async"] = all(torch.equal(x, torch.full((10,), float(sum(range(P)) + P * i)))
+                   for i, x in enumerate(results))
+h = hvd.allreduce_async_(torch.ones(3), name="polled")
+while not hvd.poll(h):
+    pass
+out["poll"] = hvd.synchronize(h).tolist() == [1.0, 1.0, 1.0]
+
+# grouped allreduce
+ts = [torch.full((n,), float(r)) for n in (1, 100, 7)]
+gs = hvd.grouped_allreduce(ts, name="grp", op=hvd.Sum)
+out["grouped"] = all(torch.equal(x, torch.full_like(x, float(sum(range(P))))) for x in gs)
+gs_ = hvd.grouped_allreduce_([t.clone() for t in ts], op=hvd.Max)
+out["grouped_"] = all(torch.equal(x, torch.full_like(x, float(P - 1))) for x in gs_)
+
+# non-contiguous input: in place and out of place
+base = torch.arange(12.0).reshape(3, 4) + r
+view = base.t()
+res = hvd.allreduce(view, op=hvd.Sum, name="noncontig")
+expect = (torch.arange(12.0).reshape(3, 4) * P + sum(range(P))).t()
+hvd.allreduce_(view, op=hvd.Sum, name="noncontig_")
+out["noncontiguous"] = torch.equal(res, expect) and torch.equal(view, expect)
+
+# the deprecated average flag and fp16 compression
+avg = hvd.allreduce(torch.full((4,), float(r)), average=False, name="avgflag")
+out["average_flag"] = avg.tolist() == [float(sum(range(P)))] * 4
+c = hvd.allreduce(torch.full((8,), float(r) + 0.5), name="fp16", compression=hvd.Compression.fp16)
+out["fp16"] = c.dtype == torch.float32 and torch.allclose(c, torch.full((8,), (sum(range(P)) + 0.5 * P) / P))
+
+# autograd through allreduce / allgather / broadcast
+x = torch.full((3,), float(r + 1), requires_grad=True)
+y = hvd.allreduce(x, op=hvd.Sum, name="ad")
+(y * (r + 1)).sum().backward()
+out["grad_allreduce"] = x.grad.tolist() == [float(sum(k + 1 for k in range(P)))] * 3
+x2 = torch.ones(r + 1, 2, requires_grad=True)
+hvd.allgather(x2, name="ag_grad").sum().backward()
+out["grad_allgather"] = torch.equal(x2.grad, torch.full((r + 1, 2), float(P)))
+x3 = torch.ones(2, requires_grad=True)
+hvd.broadcast(x3, root_rank=0, name="bc_grad").sum().backward()
+out["grad_broadcast"] = x3.grad.tolist() == ([float(P)] * 2 if r == 0 else [0.0, 0.0])
+
+# objects, parameters, optimizer state
+out["object"] = hvd.broadcast_object({"k": [r]}, root_rank=0) == {"k": [0]}
+out["allgather_object"] = hvd.allgather_object(("x", r)) == [("x", k) for k in range(P)]
+torch.manual_seed(r)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+flat = torch.cat([v.float().flatten() for v in model.state_dict().values()])
+out["parameters"] = all(torch.equal(flat, f) for f in hvd.allgather_object(flat))
+opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
+model(torch.randn(5, 3)).sum().backward()
+opt.step()
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+states = hvd.allgather_object(opt.state_dict())
+out["optimizer_state"] = all(s["param_groups"][0]["lr"] == 0.01 for s in states) and all(
+    torch.equal(s["state"][0]["exp_avg"], states[0]["state"][0]["exp_avg"]) for s in states)
+
+hvd.barrier()
+out["sizes"] = (hvd.size(), hvd.local_size(), hvd.rank(), hvd.local_rank(), hvd.cross_size())
+report(out)
+'''
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_horovod_api_semantics(np_, tmp_path):
+    results = run_ranks(np_, API, tmp_path, timeout=120)
+    for rank, out in enumerate(results):
+        sizes = out.pop("sizes")
+        assert sizes[0] == np_ and sizes[2] == rank and sizes[1] * sizes[4] == np_
+        failed = [k for k, v in out.items() if v is not True]
+        assert failed == [], f"rank {rank} failed: {failed}"

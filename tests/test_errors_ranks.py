@@ -1,0 +1,154 @@
+"""Bad input fails clearly on every rank, and the library keeps working afterwards."""
+import pytest
+
+from conftest import run_ranks
+
+MISMATCH = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+
+def attempt(label, fn):
+    try:
+        fn()
+        out[label] = None
+    except hvd.TensorMismatchError as exc:
+        out[label] = str(exc)
+
+attempt("shape", lambda: hvd.allreduce(torch.zeros(17, 17) if r != 2 else torch.zeros(18, 18),
+                                       name="layer1.weight"))
+attempt("dtype", lambda: hvd.allreduce(torch.zeros(3, dtype=torch.float32 if r else torch.float64),
+                                       name="mixed"))
+attempt("op", lambda: hvd.allreduce(torch.zeros(3), name="ops", op=hvd.Sum if r else hvd.Max))
+attempt("root", lambda: hvd.broadcast(torch.zeros(3), root_rank=r % 2, name="roots"))
+attempt("allgather", lambda: hvd.allgather(torch.zeros(2, 3 + (r == 1)), name="cols"))
+# still usable, also under a name that failed before
+out["after"] = hvd.allreduce(torch.ones(17, 17), name="layer1.weight", op=hvd.Sum)[0, 0].item()
+report(out)
+'''
+
+
+def test_mismatches_raise_on_every_rank_with_names_and_ranks(tmp_path):
+    results = run_ranks(3, MISMATCH, tmp_path, timeout=60)
+    for out in results:
+        assert out["shape"] == ("allreduce 'layer1.weight': ranks 0, 1 sent shape [17, 17], "
+                                "rank 2 sent [18, 18]")
+        assert "dtype" in out["dtype"] and "rank 0 sent dtype float64" in out["dtype"]
+        assert "ranks 1, 2 sent float32" in out["dtype"]
+        assert "'ops'" in out["op"] and "Max" in out["op"] and "Sum" in out["op"]
+        assert "root rank" in out["root"] and "'roots'" in out["root"]
+        assert "'cols'" in out["allgather"] and "rank 1 sent [4]" in out["allgather"]
+        assert out["after"] == 3.0
+    assert results[0] == results[1] == results[2]  # one message, the same on every rank
+
+
+LOCAL_ERRORS = r'''
+import torch
+import fusionring.torch as hvd
+out = {}
+try:
+    hvd.size()
+except ValueError as exc:
+    out["before_init"] = str(exc)
+try:
+    hvd.allreduce(torch.ones(2))
+except ValueError as exc:
+    out["allreduce_before_init"] = str(exc)
+hvd.init()
+h = hvd.allreduce_async(torch.ones(2), name="dup")
+try:
+    hvd.allreduce_async(torch.ones(2), name="dup")
+except ValueError as exc:
+    out["in_flight"] = str(exc)
+out["first_still_works"] = hvd.synchronize(h).tolist()
+out["reuse_after_done"] = hvd.allreduce(torch.ones(2), name="dup").tolist()
+for dtype in (torch.complex64, torch.int8, torch.bool):
+    try:
+        hvd.allreduce(torch.zeros(2, dtype=dtype), name="weird")
+    except ValueError as exc:
+        out[str(dtype)] = str(exc)
+for fn in (hvd.synchronize, hvd.poll):
+    try:
+        fn(123456)
+    except ValueError as exc:
+        out[fn.__name__] = str(exc)
+try:
+    hvd.synchronize(h)  # already synchronized
+except ValueError as exc:
+    out["twice"] = str(exc)
+report(out)
+'''
+
+
+def test_local_errors_are_clear_value_errors(tmp_path):
+    for out in run_ranks(2, LOCAL_ERRORS, tmp_path, timeout=60):
+        assert "init()" in out["before_init"] and "size()" in out["before_init"]
+        assert "init()" in out["allreduce_before_init"]
+        assert "'allreduce.dup'" in out["in_flight"] and "already in flight" in out["in_flight"]
+        assert out["first_still_works"] == [1.0, 1.0]
+        assert out["reuse_after_done"] == [1.0, 1.0]
+        assert "complex64" in out["torch.complex64"] and "'weird'" in out["torch.complex64"]
+        assert "int8" in out["torch.int8"]
+        assert "bool" in out["torch.bool"]
+        assert "unknown handle 123456" in out["synchronize"]
+        assert "unknown handle" in out["poll"]
+        assert "unknown handle" in out["twice"]
+
+
+EARLY_EXIT = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+hvd.allreduce(torch.ones(1), name="warmup")
+if r == 1:
+    hvd.shutdown()
+    report({"left": True})
+else:
+    try:
+        hvd.allreduce(torch.ones(1), name="never")
+        report({"error": None})
+    except hvd.HorovodInternalError as exc:
+        report({"error": str(exc)})
+'''
+
+
+def test_rank_leaving_makes_others_fail_instead_of_hang(tmp_path):
+    results = run_ranks(3, EARLY_EXIT, tmp_path, timeout=60)
+    for r in (0, 2):
+        assert "shut down" in results[r]["error"] and "rank(s) 1" in results[r]["error"]
+
+
+STALL = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+start = time.monotonic()
+if r == 0:
+    try:
+        hvd.allreduce(torch.ones(1), name="lonely")
+        report({"error": None})
+    except hvd.FusionRingError as exc:
+        report({"error": str(exc), "after_s": time.monotonic() - start,
+                "stall": isinstance(exc, hvd.StallError)})
+else:
+    time.sleep(4)
+    try:
+        hvd.allreduce(torch.ones(1), name="other")
+        report({"error": None})
+    except hvd.FusionRingError as exc:
+        report({"error": str(exc)})
+'''
+
+
+def test_stall_warns_then_fails_every_rank(tmp_path):
+    results, code, output = run_ranks(
+        2, STALL, tmp_path, timeout=60, expect_failure=True,
+        env={"FUSIONRING_STALL_WARNING_S": "0.5", "FUSIONRING_STALL_SHUTDOWN_S": "2"})
+    assert results[0]["stall"] and "'lonely'" in results[0]["error"]
+    assert "rank 1" in results[0]["error"] and results[0]["after_s"] < 10
+    assert results[1]["error"] and "'lonely'" in results[1]["error"]
+    assert "allreduce 'lonely' waiting" in output  # the warning, on rank 0
