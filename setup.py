@@ -49,6 +49,8 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DMPI_CXX_COMPILER={_mpicxx()}",
             f"-DFUSIONRING_CUDA={os.environ.get('FUSIONRING_CUDA', 'auto')}",
+            # The MPI wheels install libmpi into <env>/lib; find it there at run time too.
+            f"-DFUSIONRING_ENV_LIBDIR={Path(sys.prefix) / 'lib'}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         subprocess.run(configure, cwd=build_dir, check=True)
