@@ -1,0 +1,103 @@
+"""Plan-based fusion inside training: groups fused as planned, reproducible, observable."""
+import json
+
+import pytest
+import torch
+
+from conftest import run_ranks
+
+TRAIN = r'''
+import json, os, torch
+import torch.nn.functional as F
+import fusionring.torch as hvd
+from fusionring.plan import make_plan
+
+hvd.init()
+def build():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, 4))
+model = build()
+plan = make_plan(build(), torch.randn(8, 32), buffer_bytes=BUFFER) if BUFFER else None
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), grouping_plan=plan)
+g = torch.Generator().manual_seed(1 + hvd.rank())
+batches_per_step = []
+for step in range(4):
+    before = hvd.communication_stats()["allreduce_batches"]
+    optimizer.zero_grad()
+    F.cross_entropy(model(torch.randn(8, 32, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+    optimizer.step()
+    batches_per_step.append(hvd.communication_stats()["allreduce_batches"] - before)
+stats = hvd.communication_stats()
+report({"params": [p.detach().view(-1).tolist() for p in model.parameters()],
+        "batches_per_step": batches_per_step,
+        "groups": len(plan.groups) if plan else None,
+        "planned_bytes": sorted(plan.group_bytes) if plan else None,
+        "batch_bytes": stats["batch_bytes"][-batches_per_step[-1]:]})
+'''
+
+
+def _train(np_, buffer, tmp_path, env=None):
+    return run_ranks(np_, TRAIN.replace("BUFFER", str(buffer)), tmp_path, timeout=120, env=env)
+
+
+def test_plan_groups_are_fused_as_planned_and_reproducible(tmp_path):
+    first = _train(3, 8192, tmp_path / "a")
+    again = _train(3, 8192, tmp_path / "b")
+    unplanned = _train(3, 0, tmp_path / "c")
+    groups = first[0]["groups"]
+    assert groups >= 3
+    for rank_result in first:
+        assert rank_result["params"] == first[0]["params"]          # ranks agree
+        assert rank_result["batches_per_step"] == [groups] * 4    # one reduction per group
+        assert sorted(rank_result["batch_bytes"]) == first[0]["planned_bytes"]
+    assert again[0]["params"] == first[0]["params"]               # bitwise, run to run
+    for a, b in zip(first[0]["params"], unplanned[0]["params"]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+
+def test_timeline_has_a_span_per_group_and_phase(tmp_path):
+    path = tmp_path / "timeline.json"
+    _train(2, 8192, tmp_path, env={"FUSIONRING_TIMELINE": str(path)})
+    events = json.loads(path.read_text())
+    phases = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"negotiate", "pack", "reduce", "unpack"} <= phases
+    assert any(e["name"] == "cycle" and e["ph"] == "i" for e in events)
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert any(lane.startswith("group of") for lane in lanes)
+
+
+DIFFERENT_PLANS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring.plan import make_plan
+hvd.init()
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+plan = make_plan(model, torch.randn(4, 16), buffer_bytes=2048 if hvd.rank() == 0 else 4096)
+try:
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             named_parameters=model.named_parameters(), grouping_plan=plan)
+    report({"error": None})
+except hvd.TensorMismatchError as exc:
+    report({"error": str(exc), "after": hvd.allreduce(torch.ones(1), op=hvd.Sum).item()})
+'''
+
+
+def test_ranks_with_different_plans_fail_on_every_rank(tmp_path):
+    for out in run_ranks(2, DIFFERENT_PLANS, tmp_path, timeout=60):
+        assert out["error"] and "fusion_groups" in out["error"] and "rank 0" in out["error"]
+        assert out["after"] == 2.0
+
+
+def test_plan_not_matching_the_model_lists_the_parameters(tmp_path):
+    from fusionring.plan import PlanMismatchError, make_plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    plan = make_plan(model, torch.randn(2, 4))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    with pytest.raises(PlanMismatchError) as info:
+        plan.check_model(other)
+    assert "0.weight" in str(info.value) and "1.weight" in str(info.value)
