@@ -112,13 +112,16 @@ def missing_prerequisites() -> Optional[str]:
 
 
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    # an inline probe script would drown the message: name it instead
+    shown = " ".join(word if "\n" not in word else "<script>" for word in argv)
     try:
         done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ClusterError(f"`{' '.join(argv)}` failed: {exc}") from exc
+        raise ClusterError(f"`{shown}` failed: {exc}") from exc
     if check and done.returncode != 0:
-        raise ClusterError(f"`{' '.join(argv)}` failed (exit {done.returncode}): {done.stderr.strip()}")
+        last_line = (done.stderr.strip().splitlines() or [""])[-1]
+        raise ClusterError(f"`{shown}` failed (exit {done.returncode}): {last_line}")
     return done
 
 
@@ -226,7 +229,7 @@ class Measurement:
 
 
 # Run inside the receiving namespace: prints its port, then one JSON line after the sender closes.
-# Timing starts once a tenth of the bytes have arrived, so the tbf bucket's initial burst and TCP's
+# Timing starts once a quarter of the bytes have arrived, so the tbf bucket's initial burst and TCP's
 # slow start do not inflate the rate.
 _RECEIVER = r"""
 import json, socket, sys, time
@@ -247,7 +250,7 @@ while True:
     now = time.perf_counter()
     total += n
     last = now
-    if start is None and total >= expected // 10:
+    if start is None and total >= expected // 4:
         start, start_bytes = now, total
 print(json.dumps({"bytes": total - start_bytes, "seconds": (last - start) if start else 0.0}), flush=True)
 """
@@ -398,7 +401,9 @@ class Cluster:
         Sends about ``seconds`` worth of traffic at the configured rate (at most ``max_bytes``) and gives
         up after ``seconds * 4 + 10`` seconds; the receiver times the transfer.
         """
-        nbytes = int(min(max_bytes, max(4 << 20, self.rate_bits_per_s / 8 * seconds)))
+        # at least 8 buckets, so the bucket's initial burst is a small part of what is timed
+        burst = tbf_burst_bytes(self.rate_bits_per_s)
+        nbytes = int(min(max_bytes, max(8 * burst, self.rate_bits_per_s / 8 * seconds)))
         deadline_s = seconds * 4 + 10
         receiver = subprocess.Popen(
             self.rank_prefix(destination) + [sys.executable, "-c", _RECEIVER, self.address(destination),
@@ -407,23 +412,39 @@ class Cluster:
         try:
             port = receiver.stdout.readline().strip()
             if not port.isdigit():
+                receiver.kill()
                 raise ClusterError(f"rate probe receiver in {self.namespace(destination)} did not start: "
-                                   f"{receiver.stderr.read().strip()}")
-            _run(self.rank_prefix(source) + [sys.executable, "-c", _SENDER, self.address(destination), port,
-                                             str(nbytes), str(deadline_s)], timeout=deadline_s + 5)
+                                   f"{receiver.communicate()[1].strip()}")
+            self._send_probe(source, destination, port, nbytes, deadline_s)
             result_line, errors = receiver.communicate(timeout=deadline_s + 5)
         except subprocess.TimeoutExpired as exc:
-            raise ClusterError(f"rate probe from {self.namespace(source)} to {self.namespace(destination)} "
-                               f"timed out") from exc
+            raise self._probe_failed(source, destination, exc) from exc
         finally:
             if receiver.poll() is None:
                 receiver.kill()
                 receiver.wait()
         if receiver.returncode != 0 or not result_line.strip():
-            raise ClusterError(f"rate probe receiver failed: {errors.strip()}")
+            raise ClusterError(f"rate probe receiver in {self.namespace(destination)} failed: "
+                               f"{errors.strip()}")
         result = json.loads(result_line.strip().splitlines()[-1])
+        if result["seconds"] <= 0:
+            raise ClusterError(f"rate probe to {self.namespace(destination)} received too little to time")
         return Measurement(self.namespace(source), self.namespace(destination), int(result["bytes"]),
                            float(result["seconds"]), self.rate_bits_per_s)
+
+
+    def _probe_failed(self, source: int, destination: int, why: Exception) -> ClusterError:
+        return ClusterError(
+            f"rate probe from {self.namespace(source)} to {self.namespace(destination)} failed: {why}. "
+            f"If the host filters bridged traffic (br_netfilter with a FORWARD DROP policy, as Docker sets), "
+            f"allow the lab's bridge: iptables -I FORWARD -i {self.bridge} -o {self.bridge} -j ACCEPT")
+
+    def _send_probe(self, source: int, destination: int, port: str, nbytes: int, deadline_s: float) -> None:
+        try:
+            _run(self.rank_prefix(source) + [sys.executable, "-c", _SENDER, self.address(destination), port,
+                                             str(nbytes), str(deadline_s)], timeout=deadline_s + 5)
+        except ClusterError as exc:
+            raise self._probe_failed(source, destination, exc) from exc
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -452,19 +473,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 addr = _ip("-n", name, "-br", "-4", "addr", "show", RANK_INTERFACE, check=False).stdout.split()
                 print(f"{name}: {' '.join(addr[2:]) or '-'}  {qdisc or '-'}")
             return 0
+        lab = None
+        if args.command == "up":
+            try:
+                lab = Cluster(args.size, args.rate)
+            except ValueError as exc:
+                print(f"fusionring lab: {exc}", file=sys.stderr)
+                return 2
         reason = missing_prerequisites()
         if reason:
             print(f"fusionring lab: {reason}", file=sys.stderr)
             return 2
-        if args.command == "down":
+        if lab is None:
             removed = teardown()
-            print(f"fusionring lab: removed {', '.join(removed)}" if removed else "fusionring lab: nothing to remove")
+            print(f"fusionring lab: removed {', '.join(removed)}" if removed
+                  else "fusionring lab: nothing to remove")
             return 0
-        try:
-            lab = Cluster(args.size, args.rate)
-        except ValueError as exc:
-            print(f"fusionring lab: {exc}", file=sys.stderr)
-            return 2
         lab.up(verify=not args.no_verify)
         return 0
     except ClusterError as exc:

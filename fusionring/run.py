@@ -336,12 +336,13 @@ def run_launch(launch: Launch) -> int:
     env.update(launch.env_added)
     terminal = _foreground_terminal()
 
-    def take_terminal() -> None:  # runs in the child, before exec; the parent does it too (no race)
+    def own_group() -> None:  # runs in the child, before exec; the parent hands the terminal too (no race)
+        os.setpgid(0, 0)
         if terminal is not None:
             _hand_terminal(terminal, os.getpid())
 
     try:
-        child = subprocess.Popen(launch.argv, env=env, process_group=0, preexec_fn=take_terminal)
+        child = subprocess.Popen(launch.argv, env=env, preexec_fn=own_group)
     except OSError as exc:
         if terminal is not None:
             os.close(terminal)
