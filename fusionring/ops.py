@@ -6,13 +6,14 @@ from typing import Tuple
 
 
 class ReduceOp(enum.IntEnum):
-    """User-facing reduction ops (Horovod's names)."""
+    """User-facing reduction ops (Horovod's names and values)."""
 
     Average = 0
     Sum = 1
-    Min = 2
-    Max = 3
-    Product = 4
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
 
 
 # Codes of the C++ core's ReduceOp enum.
@@ -28,9 +29,12 @@ def resolve_op(op, average=None) -> ReduceOp:
             return ReduceOp.Average
         return ReduceOp.Sum
     try:
-        return ReduceOp(int(op))
+        resolved = ReduceOp(int(op))
     except (ValueError, TypeError):
         raise ValueError(f"unsupported reduction op {op!r}; use Average, Sum, Min, Max or Product")
+    if resolved == ReduceOp.Adasum:
+        raise ValueError("op=Adasum is not supported by fusionring; use Average or Sum")
+    return resolved
 
 
 def core_reduction(op: ReduceOp, prescale: float, postscale: float,

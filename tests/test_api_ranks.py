@@ -99,3 +99,43 @@ def test_horovod_api_semantics(np_, tmp_path):
         assert sizes[0] == np_ and sizes[2] == rank and sizes[1] * sizes[4] == np_
         failed = [k for k, v in out.items() if v is not True]
         assert failed == [], f"rank {rank} failed: {failed}"
+
+
+SYNC_BN = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+g = torch.Generator().manual_seed(5)
+full = torch.randn(P * 4, 3, 5, generator=g) * 3 + 1
+mine = full[r * 4:(r + 1) * 4].clone().requires_grad_(True)
+bn = hvd.SyncBatchNorm(3)
+with torch.no_grad():
+    bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5])); bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+out = bn(mine)
+(out * torch.arange(out.numel()).view_as(out).float()[:, :, :] / 100).sum().backward()
+report({"out": out.detach().tolist(), "grad_in": mine.grad.tolist(),
+        "grad_w": hvd.allreduce(bn.weight.grad, op=hvd.Sum).tolist(),
+        "running_mean": bn.running_mean.tolist(), "running_var": bn.running_var.tolist()})
+'''
+
+
+def test_sync_batch_norm_equals_batch_norm_on_the_global_batch(tmp_path):
+    import torch
+
+    P = 3
+    results = run_ranks(P, SYNC_BN, tmp_path, timeout=60)
+    g = torch.Generator().manual_seed(5)
+    full = (torch.randn(P * 4, 3, 5, generator=g) * 3 + 1).requires_grad_(True)
+    bn = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5])); bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+    out = bn(full)
+    weights = torch.cat([torch.arange(60).view(4, 3, 5).float() / 100] * P)
+    (out * weights).sum().backward()
+    for r, res in enumerate(results):
+        assert torch.allclose(torch.tensor(res["out"]), out[r * 4:(r + 1) * 4], atol=1e-5)
+        assert torch.allclose(torch.tensor(res["grad_in"]), full.grad[r * 4:(r + 1) * 4], atol=1e-5)
+        assert torch.allclose(torch.tensor(res["grad_w"]), bn.weight.grad, atol=1e-4)
+        assert torch.allclose(torch.tensor(res["running_mean"]), bn.running_mean, atol=1e-5)
+        assert torch.allclose(torch.tensor(res["running_var"]), bn.running_var, atol=1e-5)

@@ -5,7 +5,7 @@ from ..compression import Compression, Compressor
 from ..exceptions import (FusionRingError, HorovodInternalError, NotInitializedError, StallError,
                           TensorMismatchError)
 from ..ops import ReduceOp
-from .functions import (Average, Max, Min, Product, Sum, allgather, allgather_async,
+from .functions import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                         allgather_object, allreduce, allreduce_, allreduce_async,
                         allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
                         broadcast_async_, broadcast_object, broadcast_optimizer_state,
@@ -16,5 +16,6 @@ from .functions import (Average, Max, Min, Product, Sum, allgather, allgather_as
                         mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, shutdown, size,
                         synchronize)
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -20,8 +20,8 @@ from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..ops import ReduceOp, core_reduction, resolve_op
 
-Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
-                                   ReduceOp.Product)
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
+                                           ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 
 
 # ---------------------------------------------------------------------- process state

@@ -20,7 +20,7 @@ import torch
 from .. import runtime as _rt
 from ..compression import Compression
 from ..config import settings
-from ..ops import ReduceOp
+from ..ops import ReduceOp, resolve_op
 from . import functions as F
 
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -76,7 +76,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"{type(optimizer).__name__}")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        op = ReduceOp(int(op))
+        op = resolve_op(op)
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         # Optimizer.__init__ sets up torch's hook tables; the groups and state are then
