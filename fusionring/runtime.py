@@ -27,6 +27,9 @@ from .negotiation import Negotiator, Ready, TensorSpec
 from .scheduler import Entry, FusionScheduler
 from .timeline import Timeline
 
+_QUIET_CYCLES_BEFORE_BACKOFF = 50
+_QUIET_BACKOFF = 10
+
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
     torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -133,6 +136,7 @@ class Runtime:
         self._shutdown_requested = False
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
+        self._quiet_cycles = 0
         self._fusion_buffers: Dict[torch.dtype, torch.Tensor] = {}
         self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
         self._thread.start()
@@ -283,6 +287,8 @@ class Runtime:
                         waited = time.monotonic() - request.submitted_at
                         self._timeline.span(request.name, "negotiate", now - waited, now)
                 self._execute(ready, outcome.flush)
+                busy = bool(self._pending or ready or self._scheduler.pending)
+                self._quiet_cycles = 0 if busy else self._quiet_cycles + 1
                 self._idle(started, cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
@@ -303,6 +309,10 @@ class Runtime:
         return True
 
     def _idle(self, started: float, cycle_s: float) -> None:
+        # After a quiet spell, cycle less often: idle ranks otherwise spin in MPI waiting
+        # for each other and take CPU from training. A submission wakes the loop at once.
+        if self._quiet_cycles > _QUIET_CYCLES_BEFORE_BACKOFF:
+            cycle_s *= _QUIET_BACKOFF
         with self._lock:
             if self._queue or self._shutdown_requested:
                 return
