@@ -15,9 +15,10 @@ import numpy as np
 
 # Flag bits, ORed across ranks (sent inverted through a bitwise-AND allreduce).
 FLAG_UNCACHED = 1
-FLAG_FLUSH = 2
 FLAG_SHUTDOWN = 4
 FLAG_STALL_CHECK = 8
+# Header words before the bit vector: the ORed flags, then a word ANDed as it is (flush).
+_HEADER_WORDS = 2
 
 
 AUTO_NAME_MARK = ".noname."
@@ -203,27 +204,32 @@ class Negotiator:
 
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
               shutdown: bool, stall_check: bool) -> Outcome:
-        """One agreement round. `pending` holds (name, spec, age_s) per request."""
+        """One agreement round. `pending` holds (name, spec, age_s) per request.
+
+        `flush` is this rank's vote to release incomplete fusion groups; it carries only
+        when every rank votes, so a group is never split while a member can still come.
+        """
         self.cycles += 1
         uncached = any(self._cached(name, spec) is None for name, spec, _ in pending)
-        flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_FLUSH if flush else 0)
-                 | (FLAG_SHUTDOWN if shutdown else 0) | (FLAG_STALL_CHECK if stall_check else 0))
-        words = np.zeros(1 + (len(self._names_by_id) + 63) // 64, dtype=np.uint64)
+        flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_SHUTDOWN if shutdown else 0)
+                 | (FLAG_STALL_CHECK if stall_check else 0))
+        words = np.zeros(_HEADER_WORDS + (len(self._names_by_id) + 63) // 64, dtype=np.uint64)
         words[0] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
+        words[1] = np.uint64(1 if flush else 0)
         for name, spec, _ in pending:
             entry = self._cached(name, spec)
             if entry is not None:
-                words[1 + entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
+                words[_HEADER_WORDS + entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
         self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
-        outcome = Outcome(flush=bool(all_flags & FLAG_FLUSH))
+        outcome = Outcome(flush=bool(words[1]))
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
             outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
             return outcome
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
             return self._full_exchange(pending, outcome)
-        bits = np.unpackbits(words[1:].view(np.uint8), bitorder="little")
+        bits = np.unpackbits(words[_HEADER_WORDS:].view(np.uint8), bitorder="little")
         for cache_id in np.flatnonzero(bits):
             name = self._names_by_id[int(cache_id)]
             outcome.ready.append(Ready(name, self._cache[name].first_dims))

@@ -251,9 +251,12 @@ class Runtime:
                 with self._lock:
                     new, self._queue = self._queue, []
                     shutdown = self._shutdown_requested
-                    flush = self._waiters > 0
+                    waiting = self._waiters > 0
                 for request in new:
                     self._pending[request.name] = request
+                # Vote to release incomplete groups only when blocked with nothing of ours
+                # still to negotiate: then no further member can arrive from this rank.
+                flush = waiting and not self._pending
                 stall_check = self._stall_check_due(started)
                 outcome = self._negotiator.cycle(
                     [(r.name, r.spec, started - r.submitted_at) for r in self._pending.values()],
