@@ -11,6 +11,8 @@
 
 #include "dtype.h"
 #include "fusion_buffer.h"
+#include "nm_allreduce.h"
+#include "nm_sparse.h"
 #include "reduce.h"
 #include "ring_allreduce.h"
 #include "transport_mpi.h"
@@ -73,6 +75,33 @@ class Communicator {
     }
   }
 
+  // N:M compressed allreduce with per-rank masks (nm_allreduce.h); float32 buffer, sum.
+  // `residual` is the address of `count` floats for error feedback, or 0 for none.
+  py::dict nm_allreduce(std::uintptr_t address, std::size_t count, int n, int m, int value_dtype,
+                        std::uintptr_t residual, double prescale, double postscale,
+                        std::size_t segment_bytes) {
+    NmAllreduceOptions options;
+    options.n = n;
+    options.m = m;
+    options.value_dtype = dtype_from_int(value_dtype);
+    options.prescale = prescale;
+    options.postscale = postscale;
+    options.segment_bytes = segment_bytes ? segment_bytes : options.segment_bytes;
+    nm_check(n, m);
+    nm_check_float(options.value_dtype, "N:M values");
+    NmAllreduceStats stats;
+    {
+      py::gil_scoped_release release;
+      stats = fusionring::nm_allreduce(static_cast<float*>(as_pointer(address)), count,
+                                       static_cast<float*>(as_pointer(residual)), transport_,
+                                       options);
+    }
+    py::dict out;
+    out["bytes_sent"] = stats.bytes_sent;
+    out["bytes_received"] = stats.bytes_received;
+    return out;
+  }
+
  private:
   MpiTransport transport_;
 };
@@ -118,7 +147,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dtype"), py::arg("op"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
            py::arg("segment_bytes") = 1 << 20, py::arg("small_message_bytes") = 64 << 10,
            py::arg("algorithm") = "auto",
-           "In-place allreduce of `count` elements at `address` (GIL released).");
+           "In-place allreduce of `count` elements at `address` (GIL released).")
+      .def("nm_allreduce", &Communicator::nm_allreduce, py::arg("address"), py::arg("count"),
+           py::arg("n"), py::arg("m"), py::arg("value_dtype") = 0, py::arg("residual") = 0,
+           py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           py::arg("segment_bytes") = 1 << 20,
+           "In-place N:M-compressed sum of `count` float32 at `address` with per-rank masks "
+           "(compressed reduce-scatter + allgather); returns {bytes_sent, bytes_received}.");
 
   m.def(
       "reduce_into",
@@ -157,4 +192,79 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("src"), py::arg("addresses"), py::arg("bytes"),
       "Copy consecutive pieces of the buffer at src back into each (address, bytes).");
+
+  // ---- N:M structured sparsification (nm_sparse.h). Masks are uint64 words, one bit per
+  // element; values are float32/float16/bfloat16 dtype codes. GIL released in each call.
+  m.def("nm_kept_count", &nm_kept_count, py::arg("count"), py::arg("n"), py::arg("m"),
+        "Values kept from `count` elements by N:M selection (tail group keeps min(n, L)).");
+  m.def("nm_mask_words", &nm_mask_words, py::arg("count"), "64-bit mask words for `count` elements.");
+  m.def(
+      "nm_mask_popcount",
+      [](std::uintptr_t mask, std::size_t count) {
+        py::gil_scoped_release release;
+        return nm_mask_popcount(static_cast<const std::uint64_t*>(as_pointer(mask)), count);
+      },
+      py::arg("mask"), py::arg("count"));
+  m.def(
+      "nm_compress",
+      [](std::uintptr_t src, int src_dtype, std::size_t count, int n, int m_, std::uintptr_t values,
+         int value_dtype, std::uintptr_t mask, std::uintptr_t residual) {
+        const DType st = dtype_from_int(src_dtype), vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        return nm_compress(as_pointer(src), st, count, n, m_, as_pointer(values), vt,
+                           static_cast<std::uint64_t*>(as_pointer(mask)),
+                           static_cast<float*>(as_pointer(residual)));
+      },
+      py::arg("src"), py::arg("src_dtype"), py::arg("count"), py::arg("n"), py::arg("m"),
+      py::arg("values"), py::arg("value_dtype"), py::arg("mask"), py::arg("residual") = 0,
+      "Select n of every m by magnitude; write mask + kept values (and float32 residual if "
+      "its address is nonzero). Returns the values written.");
+  m.def(
+      "nm_select_mask",
+      [](std::uintptr_t src, int src_dtype, std::size_t count, int n, int m_, std::uintptr_t mask) {
+        const DType st = dtype_from_int(src_dtype);
+        py::gil_scoped_release release;
+        nm_select_mask(as_pointer(src), st, count, n, m_, static_cast<std::uint64_t*>(as_pointer(mask)));
+      },
+      py::arg("src"), py::arg("src_dtype"), py::arg("count"), py::arg("n"), py::arg("m"),
+      py::arg("mask"), "The mask of N:M selection, without values.");
+  m.def(
+      "nm_gather",
+      [](std::uintptr_t src, int src_dtype, std::size_t count, std::uintptr_t mask,
+         std::uintptr_t values, int value_dtype, std::uintptr_t residual) {
+        const DType st = dtype_from_int(src_dtype), vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        return nm_gather(as_pointer(src), st, count,
+                         static_cast<const std::uint64_t*>(as_pointer(mask)), as_pointer(values),
+                         vt, static_cast<float*>(as_pointer(residual)));
+      },
+      py::arg("src"), py::arg("src_dtype"), py::arg("count"), py::arg("mask"), py::arg("values"),
+      py::arg("value_dtype"), py::arg("residual") = 0,
+      "Pack the elements whose mask bit is set (select with a given mask).");
+  m.def(
+      "nm_scatter",
+      [](std::uintptr_t values, int value_dtype, std::uintptr_t mask, std::size_t count,
+         std::uintptr_t out, int out_dtype) {
+        const DType vt = dtype_from_int(value_dtype), ot = dtype_from_int(out_dtype);
+        py::gil_scoped_release release;
+        return nm_scatter(as_pointer(values), vt, static_cast<const std::uint64_t*>(as_pointer(mask)),
+                          count, as_pointer(out), ot);
+      },
+      py::arg("values"), py::arg("value_dtype"), py::arg("mask"), py::arg("count"), py::arg("out"),
+      py::arg("out_dtype") = 0, "Unpack values to their masked positions, zeros elsewhere.");
+  m.def(
+      "nm_scatter_add",
+      [](std::uintptr_t values, int value_dtype, std::uintptr_t mask, std::size_t count,
+         std::uintptr_t out) {
+        const DType vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        return nm_scatter_add(as_pointer(values), vt,
+                              static_cast<const std::uint64_t*>(as_pointer(mask)), count,
+                              static_cast<float*>(as_pointer(out)));
+      },
+      py::arg("values"), py::arg("value_dtype"), py::arg("mask"), py::arg("count"), py::arg("out"),
+      "out[i] += value at masked positions (float32 out).");
+  m.def("nm_set_vector_paths", &nm_set_vector_paths, py::arg("enabled"),
+        "Use (True) or bypass (False) the AVX2 N:M kernels; returns whether they are in use.");
+  m.def("nm_vector_paths_available", &nm_vector_paths_available);
 }

@@ -1,6 +1,7 @@
 #include "ring_allreduce.h"
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "reduce.h"
@@ -18,6 +19,21 @@ struct Chunking {
 };
 
 inline std::size_t mod(long long a, long long n) { return static_cast<std::size_t>(((a % n) + n) % n); }
+
+// Receive scratch kept across calls. A fresh std::vector per call zero-fills and page-faults
+// tens of MiB each time (at 64 MiB that doubled the ring's time). One buffer per thread, so
+// concurrent callers never share it; it grows to the largest chunk seen and every byte read
+// from it was first received into it.
+char* scratch_bytes(std::size_t bytes) {
+  thread_local std::unique_ptr<char[]> buffer;
+  thread_local std::size_t capacity = 0;
+  if (bytes > capacity) {
+    buffer.reset();                 // release the old one before allocating the larger one
+    buffer.reset(new char[bytes]);  // default-initialised: no zero fill
+    capacity = bytes;
+  }
+  return buffer.get();
+}
 
 }  // namespace
 
@@ -46,8 +62,10 @@ void ring_allreduce(void* buf_, std::size_t count, DType dtype, ReduceOp op, Tra
 
   // ---- reduce-scatter: after P-1 steps rank r owns the reduced chunk (r+1) mod P.
   const std::size_t max_chunk = chunks.length(0);
-  std::vector<char> scratch(2 * max_chunk * esz);
-  char* tmp[2] = {scratch.data(), scratch.data() + max_chunk * esz};
+  // Two receive buffers alternate between steps; with two ranks there is only one step.
+  const std::size_t buffers = P > 2 ? 2 : 1;
+  char* scratch = scratch_bytes(buffers * max_chunk * esz);
+  char* tmp[2] = {scratch, scratch + (buffers - 1) * max_chunk * esz};
   std::vector<std::vector<Transport::Request>> recv_reqs(2);
 
   auto post_reduce_scatter_recvs = [&](int step) {
@@ -110,7 +128,7 @@ void recursive_doubling_allreduce(void* buf_, std::size_t count, DType dtype, Re
   char* buf = static_cast<char*>(buf_);
   scale_in_place(buf, count, dtype, o.prescale);
   if (P > 1 && count > 0) {
-    std::vector<char> tmp(bytes);
+    char* tmp = scratch_bytes(bytes);
     int pof2 = 1;
     while (pof2 * 2 <= P) pof2 *= 2;
     const int rem = P - pof2;
@@ -121,8 +139,8 @@ void recursive_doubling_allreduce(void* buf_, std::size_t count, DType dtype, Re
         t.sendrecv(buf, bytes, r + 1, nullptr, 0, r + 1);
         newrank = -1;
       } else {
-        t.sendrecv(nullptr, 0, r - 1, tmp.data(), bytes, r - 1);
-        reduce_into(buf, tmp.data(), count, dtype, op);
+        t.sendrecv(nullptr, 0, r - 1, tmp, bytes, r - 1);
+        reduce_into(buf, tmp, count, dtype, op);
         newrank = r / 2;
       }
     } else {
@@ -134,8 +152,8 @@ void recursive_doubling_allreduce(void* buf_, std::size_t count, DType dtype, Re
       for (int mask = 1; mask < pof2; mask <<= 1) {
         const int np = newrank ^ mask;
         const int partner = np < rem ? np * 2 + 1 : np + rem;
-        t.sendrecv(buf, bytes, partner, tmp.data(), bytes, partner);
-        reduce_into(buf, tmp.data(), count, dtype, op);
+        t.sendrecv(buf, bytes, partner, tmp, bytes, partner);
+        reduce_into(buf, tmp, count, dtype, op);
       }
     }
     if (r < 2 * rem) {

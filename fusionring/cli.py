@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 # (name, module, one-line help). Modules are imported only when their subcommand runs.
 COMMANDS: Sequence[tuple] = (
     ("plan", "fusionring.plan", "profile a model and write a balanced gradient grouping plan"),
+    ("bench", "fusionring.bench", "compare fusionring with DDP (gloo) and MPI allreduce on one model and link"),
 )
 
 

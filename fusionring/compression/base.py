@@ -34,6 +34,13 @@ class Memory:
             return tensor
         return tensor + residual.to(tensor.dtype)
 
+    def compensate_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place form of compensate: adds the stored residual into `tensor`; returns it."""
+        residual = self.residuals.get(name)
+        if residual is not None and residual.shape == tensor.shape:
+            tensor.add_(residual.to(tensor.dtype))
+        return tensor
+
     def update(self, name: str, residual: torch.Tensor) -> None:
         self.residuals[name] = residual.detach()
 

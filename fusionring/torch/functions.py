@@ -291,6 +291,11 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     for the wire (Compression.fp16 sends float16).
     """
     reduce_op = resolve_op(op, average)
+    if getattr(compression, "in_runtime", False):  # e.g. Compression.nm: reduced in the runtime
+        return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
+                                            prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor,
+                                            compression=compression))
     tensor_compressed, ctx = compression.compress(tensor)
     if isinstance(tensor_compressed, torch.Tensor):
         summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op, prescale_factor,
@@ -351,6 +356,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
                       compression=Compression.none, op=None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results."""
+    if getattr(compression, "in_runtime", False):
+        handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
+                                    postscale_factor, compression=compression)
+                   for t, n in zip(tensors, _group_names(name, len(tensors)))]
+        return [synchronize(h) for h in handles]
     compressed = [compression.compress(t) for t in tensors]
     outputs = synchronize(grouped_allreduce_async([c[0] for c in compressed], average, name, op,
                                                   prescale_factor, postscale_factor))

@@ -170,11 +170,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter '{self._tensor_name(p)}' has a sparse gradient; "
                                  f"pass sparse_as_dense=True")
             grad = p.grad = grad.to_dense()
-        compressed, ctx = self._compression.compress(grad)
         prescale, postscale = 1.0, 1.0
         if self._op == ReduceOp.Average:
             prescale = 1.0 / self._gradient_predivide_factor
             postscale = self._gradient_predivide_factor
+        if getattr(self._compression, "in_runtime", False):
+            # The compressor reduces the fused buffer itself; its decompress(x, None) is x.
+            handle = F.allreduce_async_(grad, name=self._tensor_name(p), op=self._op,
+                                        prescale_factor=prescale, postscale_factor=postscale,
+                                        compression=self._compression)
+            return handle, None
+        compressed, ctx = self._compression.compress(grad)
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
         return handle, ctx
