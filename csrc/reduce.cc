@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FUSIONRING_X86 1
+#endif
+
 namespace fusionring {
 namespace {
 
@@ -39,6 +44,55 @@ void reduce_half(std::uint16_t* __restrict dst, const std::uint16_t* __restrict 
   }
 }
 
+#ifdef FUSIONRING_X86
+// IEEE half through the F16C conversion instructions, 8 lanes at a time. Chosen at run
+// time, so the library still runs on CPUs without F16C (the portable path above).
+// The operand order of min/max matches the scalar Op::apply (NaN handling included).
+__attribute__((target("avx,f16c"))) inline __m256 vec_apply(Sum, __m256 a, __m256 b) {
+  return _mm256_add_ps(a, b);
+}
+__attribute__((target("avx,f16c"))) inline __m256 vec_apply(Min, __m256 a, __m256 b) {
+  return _mm256_min_ps(b, a);
+}
+__attribute__((target("avx,f16c"))) inline __m256 vec_apply(Max, __m256 a, __m256 b) {
+  return _mm256_max_ps(b, a);
+}
+__attribute__((target("avx,f16c"))) inline __m256 vec_apply(Prod, __m256 a, __m256 b) {
+  return _mm256_mul_ps(a, b);
+}
+
+template <typename Op>
+__attribute__((target("avx,f16c"))) void reduce_half_f16c(std::uint16_t* __restrict dst,
+                                                           const std::uint16_t* __restrict src,
+                                                           std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dst + i)));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(vec_apply(Op{}, a, b), _MM_FROUND_TO_NEAREST_INT));
+  }
+  reduce_half<half_to_float, float_to_half, Op>(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx,f16c"))) void scale_half_f16c(std::uint16_t* __restrict buf,
+                                                          std::size_t n, float factor) {
+  const __m256 f = _mm256_set1_ps(factor);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(buf + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(buf + i),
+                     _mm256_cvtps_ph(_mm256_mul_ps(a, f), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) buf[i] = float_to_half(half_to_float(buf[i]) * factor);
+}
+
+bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
 template <typename Op>
 void reduce_dispatch(void* dst, const void* src, std::size_t n, DType dtype) {
   switch (dtype) {
@@ -56,6 +110,12 @@ void reduce_dispatch(void* dst, const void* src, std::size_t n, DType dtype) {
       return reduce_native<std::uint8_t, Op>(static_cast<std::uint8_t*>(dst),
                                              static_cast<const std::uint8_t*>(src), n);
     case DType::kFloat16:
+#ifdef FUSIONRING_X86
+      if (cpu_has_f16c()) {
+        return reduce_half_f16c<Op>(static_cast<std::uint16_t*>(dst),
+                                    static_cast<const std::uint16_t*>(src), n);
+      }
+#endif
       return reduce_half<half_to_float, float_to_half, Op>(
           static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n);
     case DType::kBFloat16:
@@ -102,6 +162,11 @@ void scale_in_place(void* buf, std::size_t count, DType dtype, double factor) {
     case DType::kUInt8:
       return scale_native<std::uint8_t, double>(static_cast<std::uint8_t*>(buf), count, factor);
     case DType::kFloat16:
+#ifdef FUSIONRING_X86
+      if (cpu_has_f16c()) {
+        return scale_half_f16c(static_cast<std::uint16_t*>(buf), count, static_cast<float>(factor));
+      }
+#endif
       return scale_half<half_to_float, float_to_half>(static_cast<std::uint16_t*>(buf), count,
                                                       static_cast<float>(factor));
     case DType::kBFloat16:

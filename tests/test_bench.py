@@ -1,0 +1,114 @@
+"""The peer-comparison harness (fusionring.bench): contenders, byte counts, the written page."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mpiexec_path
+from fusionring import bench
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """One quick localhost run of every available contender at 2 ranks, tiny model, 2 steps a turn."""
+    mpiexec_path()  # skips without MPI
+    out = tmp_path_factory.mktemp("bench")
+    saved = out / "runs.json"
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "-np", "2", "--mode", "train",
+               "--steps", "2", "--repeats", "2", "--warmup", "1", "--hidden", "32", "--depth", "1",
+               "--json", str(saved), "--name", "tiny", "--doc-dir", str(out), "--timeout-s", "100"]
+    done = subprocess.run(command, cwd=str(out), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(saved.read_text())["runs"][0]["result"], out
+
+
+def test_every_contender_trains_with_a_finite_step_time_and_sends_bytes(two_rank_run):
+    result, _ = two_rank_run
+    contenders = result["training"]["contenders"]
+    assert result["training"]["skipped"] == {}
+    assert set(contenders) == set(bench.default_contenders())
+    for name, data in contenders.items():
+        assert len(data["turns"]) == 2, name
+        for turn in data["turns"]:
+            assert math.isfinite(turn["step_seconds"]) and turn["step_seconds"] > 0, name
+            assert turn["bytes_per_step"] > 0, name
+        assert data["history"][-1]["step"] == 1 + 2 * 2, name
+
+
+def test_dense_fusionring_sends_the_ring_volume_of_the_gradients(two_rank_run):
+    result, _ = two_rank_run
+    gradient_bytes = result["model"]["gradient_bytes"]
+    expected = bench.ring_bytes(gradient_bytes, result["ranks"])
+    for turn in result["training"]["contenders"]["fusionring"]["turns"]:
+        assert turn["bytes_per_step"] == pytest.approx(expected, rel=0.03)
+
+
+def test_dense_peers_send_what_dense_fusionring_sends_and_fp16_half(two_rank_run):
+    result, _ = two_rank_run
+    contenders = result["training"]["contenders"]
+    dense = contenders["fusionring"]["turns"][0]["bytes_per_step"]
+    for name in ("ddp", "mpi"):
+        assert contenders[name]["turns"][0]["bytes_per_step"] == pytest.approx(dense, rel=0.03)
+    for name in ("ddp-fp16", "fusionring-fp16"):
+        assert contenders[name]["turns"][0]["bytes_per_step"] == pytest.approx(dense / 2, rel=0.03)
+
+
+def test_same_math_gives_the_same_accuracy_for_dense_contenders(two_rank_run):
+    result, _ = two_rank_run
+    contenders = result["training"]["contenders"]
+    curves = {name: [round(p["accuracy"], 4) for p in contenders[name]["history"]]
+              for name in ("fusionring", "ddp", "mpi")}
+    assert curves["fusionring"] == curves["ddp"] == curves["mpi"]
+
+
+def test_the_page_has_the_command_tables_and_plots(two_rank_run):
+    _, out = two_rank_run
+    page = (out / "tiny.md").read_text()
+    assert "scripts/bench.py -np 2" in page
+    for name in bench.default_contenders():
+        assert f"| `{name}` |" in page
+    for image in ("tiny-step-time.png", "tiny-accuracy.png"):
+        assert (out / image).stat().st_size > 0 and f"]({image})" in page
+
+
+def test_a_new_contender_plugs_in_by_name():
+    @bench.register_contender("test-null", "does nothing", missing=lambda: "only a test", default=False)
+    def _null(ctx):
+        raise AssertionError("never set up")
+
+    try:
+        assert "test-null" in bench.CONTENDERS
+        assert "test-null" not in bench.available_contenders()
+        with pytest.raises(ValueError):
+            bench.register_contender("test-null", "again")(_null)
+    finally:
+        del bench.CONTENDERS["test-null"]
+
+
+def test_time_to_accuracy_is_the_first_evaluation_at_the_target():
+    history = [{"step": 3, "seconds": 1.0, "accuracy": 0.5}, {"step": 7, "seconds": 2.5, "accuracy": 0.91},
+               {"step": 11, "seconds": 4.0, "accuracy": 0.95}]
+    assert bench.time_to_accuracy(history, 0.9) == {"steps": 7, "seconds": 2.5}
+    assert bench.time_to_accuracy(history, 0.99) is None
+
+
+def test_nm_contender_is_listed_when_the_build_has_it():
+    import fusionring.torch as hvd
+
+    assert ("fusionring-nm24" in bench.available_contenders()) == hasattr(hvd.Compression, "nm")
+
+
+def test_a_contender_from_another_module_is_listed_with_import(tmp_path):
+    (tmp_path / "extra_contenders.py").write_text(
+        "from fusionring.bench import MpiAllreduceContender, register_contender\n"
+        "register_contender('mpi-again', 'the MPI contender once more')(MpiAllreduceContender)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--import", "extra_contenders",
+                           "--list"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith("mpi-again ") for line in done.stdout.splitlines())
