@@ -13,6 +13,9 @@
 #include "fusion_buffer.h"
 #include "nm_allreduce.h"
 #include "nm_sparse.h"
+#ifdef FUSIONRING_WITH_CUDA
+#include "nm_sparse_cuda.h"
+#endif
 #include "reduce.h"
 #include "ring_allreduce.h"
 #include "transport_mpi.h"
@@ -264,7 +267,72 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("values"), py::arg("value_dtype"), py::arg("mask"), py::arg("count"), py::arg("out"),
       "out[i] += value at masked positions (float32 out).");
-  m.def("nm_set_vector_paths", &nm_set_vector_paths, py::arg("enabled"),
-        "Use (True) or bypass (False) the AVX2 N:M kernels; returns whether they are in use.");
-  m.def("nm_vector_paths_available", &nm_vector_paths_available);
+  m.def(
+      "nm_select_by_wait",
+      [](std::uintptr_t estimate, std::uintptr_t wait, std::size_t count, int n, int m_,
+         std::uintptr_t mask) {
+        py::gil_scoped_release release;
+        nm_select_by_wait(static_cast<const float*>(as_pointer(estimate)),
+                          static_cast<const float*>(as_pointer(wait)), count, n, m_,
+                          static_cast<std::uint64_t*>(as_pointer(mask)));
+      },
+      py::arg("estimate"), py::arg("wait"), py::arg("count"), py::arg("n"), py::arg("m"),
+      py::arg("mask"), "Shared mask: N:M selection of |estimate| * (1 + wait).");
+  m.def(
+      "nm_track",
+      [](std::uintptr_t estimate, std::uintptr_t wait, std::uintptr_t reduced, std::uintptr_t mask,
+         std::size_t count) {
+        py::gil_scoped_release release;
+        nm_track(static_cast<float*>(as_pointer(estimate)), static_cast<float*>(as_pointer(wait)),
+                 static_cast<const float*>(as_pointer(reduced)),
+                 static_cast<const std::uint64_t*>(as_pointer(mask)), count);
+      },
+      py::arg("estimate"), py::arg("wait"), py::arg("reduced"), py::arg("mask"), py::arg("count"),
+      "Shared mask: sent elements take reduced / (1 + wait) and wait 0, others wait + 1.");
+  m.def("nm_set_vector_level", &nm_set_vector_level, py::arg("level"),
+        "N:M kernels to use: 0 portable, 1 AVX2, 2 AVX-512 (capped by the CPU); returns the "
+        "level in use.");
+  m.def("nm_vector_level_available", &nm_vector_level_available);
+#ifdef FUSIONRING_WITH_CUDA
+  // Device addresses (e.g. tensor.data_ptr() of CUDA tensors); `stream` is a cudaStream_t.
+  m.attr("nm_cuda_built") = true;
+  m.def(
+      "nm_compress_cuda",
+      [](std::uintptr_t src, std::size_t count, int n, int m_, std::uintptr_t values,
+         int value_dtype, std::uintptr_t mask, std::uintptr_t residual, std::uintptr_t stream) {
+        const DType vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        nm_compress_cuda(static_cast<const float*>(as_pointer(src)), count, n, m_,
+                         as_pointer(values), vt, static_cast<std::uint64_t*>(as_pointer(mask)),
+                         static_cast<float*>(as_pointer(residual)), as_pointer(stream));
+      },
+      py::arg("src"), py::arg("count"), py::arg("n"), py::arg("m"), py::arg("values"),
+      py::arg("value_dtype"), py::arg("mask"), py::arg("residual") = 0, py::arg("stream") = 0);
+  m.def(
+      "nm_gather_cuda",
+      [](std::uintptr_t src, std::size_t count, int n, int m_, std::uintptr_t mask,
+         std::uintptr_t values, int value_dtype, std::uintptr_t residual, std::uintptr_t stream) {
+        const DType vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        nm_gather_cuda(static_cast<const float*>(as_pointer(src)), count, n, m_,
+                       static_cast<const std::uint64_t*>(as_pointer(mask)), as_pointer(values), vt,
+                       static_cast<float*>(as_pointer(residual)), as_pointer(stream));
+      },
+      py::arg("src"), py::arg("count"), py::arg("n"), py::arg("m"), py::arg("mask"),
+      py::arg("values"), py::arg("value_dtype"), py::arg("residual") = 0, py::arg("stream") = 0);
+  m.def(
+      "nm_scatter_cuda",
+      [](std::uintptr_t values, int value_dtype, std::uintptr_t mask, std::size_t count, int n,
+         int m_, std::uintptr_t out, bool accumulate, std::uintptr_t stream) {
+        const DType vt = dtype_from_int(value_dtype);
+        py::gil_scoped_release release;
+        nm_scatter_cuda(as_pointer(values), vt, static_cast<const std::uint64_t*>(as_pointer(mask)),
+                        count, n, m_, static_cast<float*>(as_pointer(out)), accumulate,
+                        as_pointer(stream));
+      },
+      py::arg("values"), py::arg("value_dtype"), py::arg("mask"), py::arg("count"), py::arg("n"),
+      py::arg("m"), py::arg("out"), py::arg("accumulate") = false, py::arg("stream") = 0);
+#else
+  m.attr("nm_cuda_built") = false;
+#endif
 }

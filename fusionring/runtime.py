@@ -384,8 +384,9 @@ class Runtime:
             _C.pack([r.output.data_ptr() for r in requests], [r.nbytes for r in requests],
                     buffer.data_ptr())
         t1 = time.perf_counter()
+        wire_bytes = None  # a compressor that reduces itself may report what it sent
         if first.communicator is not None:
-            first.communicator(self._core, buffer, requests)
+            wire_bytes = first.communicator(self._core, buffer, requests)
         else:
             self._core.allreduce(buffer.data_ptr(), buffer.numel(), code, first.core_op,
                                  first.prescale, first.postscale, self.config.ring_segment_bytes,
@@ -399,7 +400,8 @@ class Runtime:
         self.stats.allreduce_batches += 1
         self.stats.allreduce_tensors += len(requests)
         self.stats.allreduce_bytes += nbytes
-        self.stats.bytes_sent += nbytes * 2 * (self.size - 1) // max(self.size, 1)
+        self.stats.bytes_sent += (wire_bytes if isinstance(wire_bytes, int)
+                                  else nbytes * 2 * (self.size - 1) // max(self.size, 1))
         self.stats.batch_bytes.append(nbytes)
         if len(self.stats.batch_bytes) > 100000:
             del self.stats.batch_bytes[:50000]

@@ -38,7 +38,7 @@ class Memory:
         """In-place form of compensate: adds the stored residual into `tensor`; returns it."""
         residual = self.residuals.get(name)
         if residual is not None and residual.shape == tensor.shape:
-            tensor.add_(residual.to(tensor.dtype))
+            tensor.add_(residual.to(device=tensor.device, dtype=tensor.dtype))
         return tensor
 
     def update(self, name: str, residual: torch.Tensor) -> None:
