@@ -1,0 +1,702 @@
+"""N:M structured gradient sparsification with packed masks (SPEC section 2, seed 004).
+
+In every run of M adjacent gradient values the N of largest magnitude are kept; the kept
+values travel (float32, float16 or bfloat16) and, where ranks' choices differ, so does a
+bit mask with one bit per element packed into 64-bit words. The C++ kernels
+(``csrc/nm_sparse.*``) define the selection rule bit-exactly: magnitude compared on the bits
+of |x|, equal magnitudes go to the lower index, and a tail group of L < M values keeps
+min(N, L) of them.
+
+Two ways to reduce (``shared_mask``):
+
+* ``True`` (default): every rank uses the same mask, so the kept values are summable and the
+  plain ring reduces a buffer N/M the size (no mask on the wire). The mask comes from data
+  that is identical on all ranks: per tensor, an estimate of the reduced gradient's
+  per-step magnitude. Positions sent at a step take their new reduced value divided by
+  (1 + steps they waited); positions not sent keep their last estimate and their wait grows,
+  and a position's score is |estimate| * (1 + wait) -- the size its error-feedback residual
+  is expected to have reached -- so unsent positions rise until they are sent. The first
+  reduction of a tensor (no estimate yet) is sent dense.
+* ``False`` (the seed's per-rank masks): every rank selects on its own data; the C++ core runs
+  a compressed reduce-scatter (each hop unpacks, adds, re-selects N of M, and keeps what it
+  dropped as this rank's residual) and an allgather of the compressed reduced chunks.
+
+Error feedback (on by default): what a step does not deliver is added back at the next step,
+so the sum over ranks of everything sent plus all residuals equals the sum of all gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from .. import _C
+from .base import Compressor, Memory
+
+MAX_M = 32
+# torch dtype -> the core's DType code for the value dtypes N:M supports.
+VALUE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# ---------------------------------------------------------------------- validation
+def check_nm(n: Any, m: Any) -> Tuple[int, int]:
+    """Return (n, m) as ints; ValueError naming the bad one unless 1 <= n <= m <= 32."""
+    for label, value in (("n", n), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"N:M {label} must be an int, not {value!r}")
+    n, m = int(n), int(m)
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"N:M m={m} must be in [1, {MAX_M}]")
+    if not 1 <= n <= m:
+        raise ValueError(f"N:M n={n} must be in [1, m={m}]")
+    return n, m
+
+
+def check_values(values: Any) -> torch.dtype:
+    """The value dtype, or ValueError naming it unless float32/float16/bfloat16."""
+    if isinstance(values, str):
+        values = getattr(torch, values, values)
+    if values not in VALUE_CODES:
+        raise ValueError(f"N:M values dtype {values!r} must be torch.float32, torch.float16 "
+                         f"or torch.bfloat16")
+    return values
+
+
+def bits_per_element(n: int, m: int, values: torch.dtype = torch.float32,
+                     shared_mask: bool = False) -> float:
+    """Wire bits per original element: N/M values, plus one mask bit unless the mask is shared.
+
+    Dense (n == m) sends the values only. 2:4 float32: 17 (16 shared); float16: 9 (8 shared).
+    """
+    n, m = check_nm(n, m)
+    value_bits = 8 * torch.empty(0, dtype=check_values(values)).element_size()
+    if n == m:
+        return float(value_bits)
+    return n / m * value_bits + (0.0 if shared_mask else 1.0)
+
+
+# ---------------------------------------------------------------------- kernels on tensors
+def _flat_f32(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in VALUE_CODES:
+        raise ValueError(f"N:M input dtype {tensor.dtype} must be float32, float16 or bfloat16")
+    return tensor.detach().reshape(-1).contiguous()
+
+
+def cuda_kernels(tensor: torch.Tensor, m: int) -> bool:
+    """Whether `tensor` can use the GPU kernels (built with CUDA, m dividing 32)."""
+    return tensor.is_cuda and bool(getattr(_C, "nm_cuda_built", False)) and 32 % m == 0
+
+
+def _stream(tensor: torch.Tensor) -> int:
+    return torch.cuda.current_stream(tensor.device).cuda_stream
+
+
+def _require_cuda(tensor: torch.Tensor, m: int) -> None:
+    if not cuda_kernels(tensor, m):
+        raise ValueError(f"N:M on a {tensor.device} tensor needs fusionring built with CUDA "
+                         f"and m dividing 32 (m={m}); move the tensor to the CPU")
+
+
+def compress_values(x: torch.Tensor, n: int, m: int, values: torch.dtype = torch.float32,
+                    residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Select n of every m of `x` -> (kept values in `values` dtype, int64 mask words).
+
+    `residual` (float32, numel of x) receives x - unpack(values) when given. CPU tensors use
+    the C++ kernels, CUDA tensors the GPU kernels (the same bits).
+    """
+    n, m = check_nm(n, m)
+    code = VALUE_CODES[check_values(values)]
+    flat = _flat_f32(x)
+    count = flat.numel()
+    kept = torch.empty(_C.nm_kept_count(count, n, m), dtype=values, device=flat.device)
+    mask = torch.empty(_C.nm_mask_words(count), dtype=torch.int64, device=flat.device)
+    if flat.is_cuda:
+        _require_cuda(flat, m)
+        flat = flat.float()
+        _C.nm_compress_cuda(flat.data_ptr(), count, n, m, kept.data_ptr(), code, mask.data_ptr(),
+                            _residual_ptr(residual, count), _stream(flat))
+        return kept, mask
+    _C.nm_compress(flat.data_ptr(), VALUE_CODES[flat.dtype], count, n, m, kept.data_ptr(), code,
+                   mask.data_ptr(), _residual_ptr(residual, count))
+    return kept, mask
+
+
+def select_mask(x: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The N:M mask of `x` as int64 words (bit i = element i kept)."""
+    n, m = check_nm(n, m)
+    flat = _flat_f32(x)
+    mask = torch.empty(_C.nm_mask_words(flat.numel()), dtype=torch.int64, device=flat.device)
+    if flat.is_cuda:
+        _require_cuda(flat, m)
+        flat = flat.float()
+        _C.nm_compress_cuda(flat.data_ptr(), flat.numel(), n, m, 0, 0, mask.data_ptr(), 0,
+                            _stream(flat))
+        return mask
+    _C.nm_select_mask(flat.data_ptr(), VALUE_CODES[flat.dtype], flat.numel(), n, m,
+                      mask.data_ptr())
+    return mask
+
+
+def gather(x: torch.Tensor, mask: torch.Tensor, values: torch.dtype = torch.float32,
+           residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+           nm: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Pack the elements of `x` whose mask bit is set (select with a given mask).
+
+    On CUDA tensors the mask must come from N:M selection and `nm` name its (n, m).
+    """
+    code = VALUE_CODES[check_values(values)]
+    flat = _flat_f32(x)
+    count = flat.numel()
+    _check_mask(mask, count)
+    if flat.is_cuda:
+        if nm is None:
+            raise ValueError("gather on a CUDA tensor needs nm=(n, m) of the mask")
+        n, m = check_nm(*nm)
+        _require_cuda(flat, m)
+        kept = _C.nm_kept_count(count, n, m)
+    else:
+        kept = _C.nm_mask_popcount(mask.data_ptr(), count)
+    if out is None:
+        out = torch.empty(kept, dtype=values, device=flat.device)
+    elif out.numel() != kept or out.dtype != values or not out.is_contiguous():
+        raise ValueError(f"gather output must be {kept} contiguous {values} values")
+    if flat.is_cuda:
+        _C.nm_gather_cuda(flat.float().data_ptr(), count, n, m, mask.data_ptr(), out.data_ptr(),
+                          code, _residual_ptr(residual, count), _stream(flat))
+        return out
+    _C.nm_gather(flat.data_ptr(), VALUE_CODES[flat.dtype], count, mask.data_ptr(),
+                 out.data_ptr(), code, _residual_ptr(residual, count))
+    return out
+
+
+def scatter(kept: torch.Tensor, mask: torch.Tensor, count: int,
+            out: Optional[torch.Tensor] = None, accumulate: bool = False,
+            nm: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """Put `kept` back at the masked positions of a float32 vector of `count` (zeros elsewhere,
+    or added into `out` with accumulate=True). On CUDA, `nm` names the mask's (n, m)."""
+    _check_mask(mask, count)
+    if kept.dtype not in VALUE_CODES or not kept.is_contiguous():
+        raise ValueError("N:M values must be a contiguous float32/float16/bfloat16 tensor")
+    if kept.is_cuda:
+        if nm is None:
+            raise ValueError("scatter on a CUDA tensor needs nm=(n, m) of the mask")
+        n, m = check_nm(*nm)
+        _require_cuda(kept, m)
+        expected = _C.nm_kept_count(count, n, m)
+    else:
+        expected = _C.nm_mask_popcount(mask.data_ptr(), count)
+    if kept.numel() != expected:
+        raise ValueError(f"the mask selects {expected} values but {kept.numel()} were given")
+    if out is None:
+        out = torch.zeros(count, device=kept.device) if accumulate else torch.empty(
+            count, device=kept.device)
+    if out.dtype != torch.float32 or out.numel() != count or not out.is_contiguous():
+        raise ValueError(f"N:M output must be a contiguous float32 tensor of {count} elements")
+    if kept.is_cuda:
+        _C.nm_scatter_cuda(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count, n, m,
+                           out.data_ptr(), accumulate, _stream(kept))
+    elif accumulate:
+        _C.nm_scatter_add(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count,
+                          out.data_ptr())
+    else:
+        _C.nm_scatter(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count,
+                      out.data_ptr(), 0)
+    return out
+
+
+def mask_to_bool(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Unpack int64 mask words into a bool tensor of `count` elements (on the mask's device)."""
+    octets = mask.reshape(-1).view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=octets.device)
+    return ((octets.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:count].bool()
+
+
+def _check_mask(mask: torch.Tensor, count: int) -> None:
+    words = _C.nm_mask_words(count)
+    if mask.dtype != torch.int64 or mask.numel() != words or not mask.is_contiguous():
+        raise ValueError(f"an N:M mask of {count} elements is {words} contiguous int64 words")
+
+
+def _residual_ptr(residual: Optional[torch.Tensor], count: int) -> int:
+    if residual is None:
+        return 0
+    if residual.dtype != torch.float32 or residual.numel() != count or not residual.is_contiguous():
+        raise ValueError(f"the residual must be a contiguous float32 tensor of {count} elements")
+    return residual.data_ptr()
+
+
+# ---------------------------------------------------------------------- schedules
+class StepSchedule:
+    """(n, m) by training step: ``[(0, (4, 4)), (100, (2, 4)), (1000, (1, 4))]``.
+
+    At step k the last stage whose start is <= k applies; before the first stage, `initial`.
+    """
+
+    def __init__(self, stages: Sequence[Tuple[int, Tuple[int, int]]],
+                 initial: Tuple[int, int]) -> None:
+        parsed = []
+        for stage in stages:
+            try:
+                start, (n, m) = stage
+            except (TypeError, ValueError):
+                raise ValueError(f"schedule stage {stage!r} must be (step, (n, m))") from None
+            if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+                raise ValueError(f"schedule step {start!r} must be a non-negative int")
+            parsed.append((int(start), check_nm(n, m)))
+        if not parsed:
+            raise ValueError("a schedule needs at least one (step, (n, m)) stage")
+        starts = [s for s, _ in parsed]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"schedule steps must increase strictly, got {starts}")
+        self.stages = parsed
+        self.initial = check_nm(*initial)
+
+    def at(self, step: int) -> Tuple[int, int]:
+        level = self.initial
+        for start, nm in self.stages:
+            if start <= step:
+                level = nm
+        return level
+
+    def describe(self) -> list:
+        return [[s, list(nm)] for s, nm in self.stages]
+
+
+# Default (low, high) ratio thresholds of schedule="adaptive". Measured on the digits MLP with
+# error feedback, the held-back ratio sits near 0.1 at 2:4 and 0.3 at 1:4 with per-rank masks,
+# and near 0.75-0.9 with a shared mask (which delays a position's values until its turn).
+ADAPTIVE_THRESHOLDS = {"per-rank": dict(low=0.15, high=0.45),
+                       "shared": dict(low=0.7, high=0.95)}
+
+
+class AdaptiveSchedule:
+    """Moves each tensor between sparsity levels by the size of what error feedback holds back.
+
+    After every reduction of a tensor, ratio = sum over ranks |residual|^2 / sum over ranks
+    |compensated gradient|^2 (one small allreduce, so every rank sees the same number) is
+    smoothed: ema = smoothing * ema + (1 - smoothing) * ratio, restarted at each level change.
+    Once `patience` reductions have passed at a level: ema > `high` moves one level denser,
+    ema < `low` one level sparser. Levels run from dense (m:m) to the sparsest (n:m), halving
+    n: n=1, m=4 gives 4:4 -> 2:4 -> 1:4. Every tensor starts dense. ``schedule="adaptive"``
+    takes `low` and `high` from ADAPTIVE_THRESHOLDS for its mask mode.
+    """
+
+    def __init__(self, levels: Sequence[Tuple[int, int]], low: float = 0.3, high: float = 0.6,
+                 smoothing: float = 0.8, patience: int = 20) -> None:
+        self.levels = [check_nm(n, m) for n, m in levels]
+        if not self.levels:
+            raise ValueError("an adaptive schedule needs at least one (n, m) level")
+        if not 0.0 <= low < high:
+            raise ValueError(f"adaptive thresholds need 0 <= low < high, got {low}, {high}")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"adaptive smoothing must be in [0, 1), got {smoothing}")
+        self.low, self.high, self.smoothing, self.patience = (float(low), float(high),
+                                                              float(smoothing), int(patience))
+
+    @classmethod
+    def halving(cls, n: int, m: int, **kwargs) -> "AdaptiveSchedule":
+        levels, k = [], m
+        while k > n:
+            levels.append((k, m))
+            k //= 2
+        levels.append((n, m))
+        return cls(levels, **kwargs)
+
+    def observe(self, state: "_TensorState", ratio: float) -> None:
+        state.ema = ratio if state.ema is None else (self.smoothing * state.ema
+                                                     + (1.0 - self.smoothing) * ratio)
+        state.since += 1
+        if state.since < self.patience:
+            return
+        if state.ema > self.high and state.level > 0:
+            state.level, state.ema, state.since = state.level - 1, None, 0
+        elif state.ema < self.low and state.level < len(self.levels) - 1:
+            state.level, state.ema, state.since = state.level + 1, None, 0
+
+    def describe(self) -> dict:
+        return {"levels": [list(nm) for nm in self.levels], "low": self.low, "high": self.high,
+                "smoothing": self.smoothing, "patience": self.patience}
+
+
+# ---------------------------------------------------------------------- the compressor
+@dataclasses.dataclass
+class _TensorState:
+    step: int = 0                              # reductions of this tensor so far
+    estimate: Optional[torch.Tensor] = None    # shared mask: per-step reduced magnitude
+    wait: Optional[torch.Tensor] = None        # shared mask: steps since each element was sent
+    level: int = 0                             # adaptive: index into the levels
+    ema: Optional[float] = None                # adaptive: smoothed residual ratio
+    since: int = 0                             # adaptive: reductions at this level
+
+
+@dataclasses.dataclass
+class _Context:
+    key: Optional[str]
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    count: int
+    mask: Optional[torch.Tensor]  # None: the payload is dense
+    nm: Tuple[int, int] = (0, 0)
+
+
+class NMCompressor(Compressor):
+    """N:M sparsification as a Horovod compressor that also reduces inside the runtime.
+
+    ``Compression.nm(n=2, m=4, values=torch.float32, shared_mask=True, error_feedback=True,
+    schedule=None)``. With DistributedOptimizer and hvd.allreduce it runs on the runtime's
+    background thread (``in_runtime``), keyed by tensor name. On its own:
+    ``payload, ctx = c.compress(t, name=...)`` then ``c.decompress(payload, ctx)``; the payload
+    is the kept values (shared mask: summable) or (values, mask words) (per-rank masks).
+    """
+
+    in_runtime = True
+
+    def __init__(self, n: int = 2, m: int = 4, values: torch.dtype = torch.float32,
+                 shared_mask: bool = True, error_feedback: bool = True,
+                 schedule: Union[None, str, Sequence, StepSchedule, AdaptiveSchedule] = None
+                 ) -> None:
+        self.n, self.m = check_nm(n, m)
+        self.values = check_values(values)
+        self.shared_mask = bool(shared_mask)
+        self.error_feedback = bool(error_feedback)
+        if schedule is None or isinstance(schedule, (StepSchedule, AdaptiveSchedule)):
+            self.schedule = schedule
+        elif schedule == "adaptive":
+            self.schedule = AdaptiveSchedule.halving(
+                self.n, self.m, **ADAPTIVE_THRESHOLDS["shared" if shared_mask else "per-rank"])
+        elif isinstance(schedule, str):
+            raise ValueError(f"unknown N:M schedule {schedule!r}: use 'adaptive' or a list of "
+                             f"(step, (n, m))")
+        else:
+            self.schedule = StepSchedule(schedule, (self.n, self.m))
+        self.memory = Memory()
+        self._tensors: Dict[str, _TensorState] = {}
+        self._lock = threading.RLock()
+        self.stats = {"reductions": 0, "dense_bytes": 0, "payload_bytes": 0, "wire_bytes": 0}
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        """Agreed across ranks (negotiation): differing configurations fail loudly."""
+        mode = "shared" if self.shared_mask else "per-rank"
+        plan = "" if self.schedule is None else f",{type(self.schedule).__name__}"
+        return (f"nm({self.n}:{self.m},{_DTYPE_NAMES[self.values]},{mode},"
+                f"ef={int(self.error_feedback)}{plan})")
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+    def level(self, name: str) -> Tuple[int, int]:
+        """The (n, m) the next reduction of tensor `name` will use."""
+        with self._lock:
+            return self._level(self._tensors.get(name) or _TensorState())
+
+    def _level(self, state: _TensorState) -> Tuple[int, int]:
+        if self.schedule is None:
+            return self.n, self.m
+        if isinstance(self.schedule, AdaptiveSchedule):
+            return self.schedule.levels[state.level]
+        return self.schedule.at(state.step)
+
+    def _state(self, key: Optional[str]) -> _TensorState:
+        if key is None:
+            return _TensorState()
+        return self._tensors.setdefault(key, _TensorState())
+
+    # ------------------------------------------------------------------ Horovod shape
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
+        """Encode `tensor` -> (payload, ctx). State (residual, mask estimate, step) is kept per
+        `name`; without one it is kept per shape and dtype, so name distinct tensors."""
+        check_values(tensor.dtype)
+        key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
+        with self._lock:
+            state = self._state(key)
+            n, m = self._level(state)
+            # CUDA tensors stay on the device when the GPU kernels can take them.
+            device = tensor.device if cuda_kernels(tensor, m) else torch.device("cpu")
+            x = tensor.detach().to(device, torch.float32).reshape(-1).clone()
+            if self.error_feedback:
+                self.memory.compensate_(key, x)
+            count = x.numel()
+            residual = torch.empty(count, device=device) if self.error_feedback else None
+            if self.shared_mask:
+                mask = self._shared_mask(state, n, m, count, device)
+                if mask is None:
+                    kept = x.to(self.values)
+                    if residual is not None:
+                        torch.sub(x, kept.float(), out=residual)
+                else:
+                    kept = gather(x, mask, self.values, residual, nm=(n, m))
+                payload: Any = kept
+            else:
+                kept, mask = compress_values(x, n, m, self.values, residual)
+                payload = (kept, mask)
+            if residual is not None:
+                self.memory.update(key, residual)
+            self._observe_local(state, residual, x)
+            state.step += 1
+        return payload, _Context(key, tensor.shape, tensor.dtype, tensor.device, count, mask,
+                                 (n, m))
+
+    def decompress(self, payload, ctx):
+        """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged."""
+        if ctx is None:
+            return payload
+        if isinstance(payload, (tuple, list)):
+            kept, mask = payload
+            dense = scatter(kept.contiguous(), mask.to(kept.device).contiguous(), ctx.count,
+                            nm=ctx.nm)
+        elif ctx.mask is None:
+            dense = payload.detach().to(torch.float32).reshape(-1).clone()
+        else:
+            kept = payload.detach().to(ctx.mask.device).contiguous()
+            dense = scatter(kept, ctx.mask, ctx.count, nm=ctx.nm)
+        if self.shared_mask and ctx.key is not None:
+            with self._lock:
+                self._update_estimate(self._state(ctx.key), dense, ctx.mask)
+        return dense.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
+
+    # ------------------------------------------------------------------ shared-mask bookkeeping
+    def _shared_mask(self, state: _TensorState, n: int, m: int, count: int,
+                     device: torch.device = torch.device("cpu")) -> Optional[torch.Tensor]:
+        """The mask every rank derives alike, or None to send dense (no estimate yet, n == m)."""
+        if n == m or state.estimate is None or state.estimate.numel() != count:
+            return None
+        if state.estimate.device != device:
+            state.estimate, state.wait = state.estimate.to(device), state.wait.to(device)
+        if device.type == "cpu":  # one fused pass, no full-size score tensor
+            mask = torch.empty(_C.nm_mask_words(count), dtype=torch.int64)
+            _C.nm_select_by_wait(state.estimate.data_ptr(), state.wait.data_ptr(), count, n, m,
+                                 mask.data_ptr())
+            return mask
+        score = state.estimate.abs().mul_(state.wait + 1.0)
+        return select_mask(score, n, m)
+
+    @staticmethod
+    def _update_estimate(state: _TensorState, reduced: torch.Tensor,
+                         mask: Optional[torch.Tensor]) -> None:
+        if mask is None or state.estimate is None or state.estimate.numel() != reduced.numel():
+            state.estimate = reduced.detach().clone()
+            state.wait = torch.zeros_like(state.estimate)
+            return
+        if state.estimate.device != reduced.device:
+            state.estimate = state.estimate.to(reduced.device)
+            state.wait = state.wait.to(reduced.device)
+        if reduced.device.type == "cpu":
+            reduced = reduced.reshape(-1).contiguous()
+            _C.nm_track(state.estimate.data_ptr(), state.wait.data_ptr(), reduced.data_ptr(),
+                        mask.data_ptr(), reduced.numel())
+            return
+        sent = mask_to_bool(mask.to(reduced.device), reduced.numel())
+        state.estimate = torch.where(sent, reduced / (state.wait + 1.0), state.estimate)
+        state.wait = torch.where(sent, torch.zeros_like(state.wait), state.wait + 1.0)
+
+    def _observe_local(self, state: _TensorState, residual: Optional[torch.Tensor],
+                       x: torch.Tensor) -> None:
+        # Standalone use has no collective: the adaptive schedule sees local statistics.
+        if isinstance(self.schedule, AdaptiveSchedule):
+            held = float(residual.double().square().sum()) if residual is not None else 0.0
+            self.schedule.observe(state, held / max(float(x.double().square().sum()), 1e-300))
+
+    # ------------------------------------------------------------------ runtime path
+    def communicate(self, core, buffer: torch.Tensor, requests) -> int:
+        """Reduce the fused buffer of `requests` in place (the runtime's background thread);
+        returns the bytes this rank sent."""
+        from ..config import settings
+        from ..negotiation import is_cacheable
+
+        first = requests[0]
+        if first.core_op != 0:
+            raise ValueError(f"Compression.nm reduces with Sum or Average only (tensor "
+                             f"'{first.name}')")
+        flat = buffer.reshape(-1)
+        work = flat if flat.dtype == torch.float32 else flat.float()
+        segments, offset = [], 0
+        for request in requests:
+            numel = request.output.numel()
+            key = request.name if is_cacheable(request.name) else None
+            segments.append((key, offset, numel))
+            offset += numel
+        config = settings()
+        with self._lock:
+            wire_before = self.stats["wire_bytes"]
+            levels = [self._level(self._state(key)) for key, _, _ in segments]
+            ratios: List[Tuple[_TensorState, float, float]] = []
+            if self.shared_mask:
+                self._shared_reduce(core, work, segments, levels, first, config, ratios)
+            else:
+                start = 0
+                while start < len(segments):  # runs of equal (n, m) reduce together
+                    end = start + 1
+                    while end < len(segments) and levels[end] == levels[start]:
+                        end += 1
+                    self._per_rank_reduce(core, work, segments[start:end], levels[start], first,
+                                          config, ratios)
+                    start = end
+            if isinstance(self.schedule, AdaptiveSchedule) and ratios:
+                self._adapt(core, ratios, config)
+            for key, _, _ in segments:
+                if key is not None:
+                    self._tensors[key].step += 1
+            self.stats["reductions"] += 1
+            self.stats["dense_bytes"] += offset * 4
+            wire = self.stats["wire_bytes"] - wire_before
+        if work is not flat:
+            flat.copy_(work)
+        return wire
+
+    def _shared_reduce(self, core, work, segments, levels, first, config, ratios) -> None:
+        prescale, postscale = first.prescale, first.postscale
+        if prescale != 1.0:
+            work.mul_(prescale)
+        plans = []  # (key, state, x, mask or None, payload offset, kept)
+        total = 0
+        for (key, offset, numel), (n, m) in zip(segments, levels):
+            state = self._state(key)
+            x = work[offset:offset + numel]
+            if self.error_feedback and key is not None:
+                self.memory.compensate_(key, x)  # the residual's buffer is then reused below
+            mask = self._shared_mask(state, n, m, numel)
+            kept = numel if mask is None else _C.nm_kept_count(numel, n, m)
+            plans.append((key, state, x, mask, total, kept))
+            total += kept
+        payload = torch.empty(total, dtype=self.values)
+        for key, state, x, mask, at, kept in plans:
+            part = payload[at:at + kept]
+            residual = None
+            if self.error_feedback and key is not None:
+                residual = self.memory.residuals.get(key)
+                if residual is None or residual.numel() != x.numel() or residual.is_cuda:
+                    residual = torch.empty(x.numel())
+            if mask is None:
+                part.copy_(x)
+                if residual is not None:
+                    torch.sub(x, part.float(), out=residual)
+            else:
+                gather(x, mask, self.values, residual, out=part)
+            if residual is not None:
+                self.memory.update(key, residual)
+            if isinstance(self.schedule, AdaptiveSchedule) and key is not None:
+                held = float(residual.double().square().sum()) if residual is not None else 0.0
+                ratios.append((state, held, float(x.double().square().sum())))
+        core.allreduce(payload.data_ptr(), payload.numel(), VALUE_CODES[self.values], 0, 1.0, 1.0,
+                       config.ring_segment_bytes, config.small_message_bytes)
+        for key, state, x, mask, at, kept in plans:
+            part = payload[at:at + kept]
+            if postscale != 1.0:  # scale the N/M values, not the dense result: same bits
+                part = part.float() if part.dtype != torch.float32 else part
+                part.mul_(postscale)
+            if mask is None:
+                x.copy_(part)
+            else:
+                scatter(part, mask, x.numel(), out=x)
+            if key is not None:
+                self._update_estimate(state, x, mask)
+        size = getattr(core, "size", 1)
+        self.stats["payload_bytes"] += payload.numel() * payload.element_size()
+        self.stats["wire_bytes"] += (payload.numel() * payload.element_size()
+                                     * 2 * (size - 1) // max(size, 1))
+
+    def _per_rank_reduce(self, core, work, segments, level, first, config, ratios) -> None:
+        n, m = level
+        if n == m:  # dense: the shared path with no mask does exactly that
+            return self._shared_reduce(core, work, segments, [level] * len(segments), first,
+                                       config, ratios)
+        lo = segments[0][1]
+        hi = segments[-1][1] + segments[-1][2]
+        sub = work[lo:hi]
+        residual = None
+        adaptive = isinstance(self.schedule, AdaptiveSchedule)
+        if self.error_feedback:
+            residual = torch.empty(hi - lo)
+            for key, offset, numel in segments:
+                stored = self.memory.residuals.get(key) if key is not None else None
+                part = residual[offset - lo:offset - lo + numel]
+                if stored is not None and stored.numel() == numel:
+                    part.copy_(stored.reshape(-1))
+                else:
+                    part.zero_()
+        if adaptive:  # the compensated input, before the core overwrites the residual
+            compensated = sub * first.prescale + (residual if residual is not None else 0.0)
+        out = core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
+                                residual.data_ptr() if residual is not None else 0,
+                                first.prescale, first.postscale, config.ring_segment_bytes)
+        for key, offset, numel in segments:
+            if key is None:
+                continue
+            part = slice(offset - lo, offset - lo + numel)
+            if residual is not None:
+                stored = self.memory.residuals.get(key)
+                if stored is not None and stored.numel() == numel and not stored.is_cuda:
+                    stored.reshape(-1).copy_(residual[part])
+                else:
+                    self.memory.update(key, residual[part].clone())
+            if adaptive:
+                held = (float(residual[part].double().square().sum())
+                        if residual is not None else 0.0)
+                ratios.append((self._state(key), held,
+                               float(compensated[part].double().square().sum())))
+        self.stats["payload_bytes"] += (
+            _C.nm_kept_count(hi - lo, n, m) * torch.empty(0, dtype=self.values).element_size()
+            + 8 * _C.nm_mask_words(hi - lo))
+        self.stats["wire_bytes"] += out["bytes_sent"]
+
+    def _adapt(self, core, ratios, config) -> None:
+        # One small float64 sum so every rank sees the same ratios and moves in step.
+        sums = torch.tensor([v for _, held, total in ratios for v in (held, total)],
+                            dtype=torch.float64)
+        core.allreduce(sums.data_ptr(), sums.numel(), 1, 0, 1.0, 1.0, config.ring_segment_bytes,
+                       config.small_message_bytes)
+        size = getattr(core, "size", 1)
+        self.stats["wire_bytes"] += sums.numel() * 8 * 2 * (size - 1) // max(size, 1)
+        for i, (state, _, _) in enumerate(ratios):
+            held, total = float(sums[2 * i]), float(sums[2 * i + 1])
+            self.schedule.observe(state, held / total if total > 0 else 0.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _config(self) -> dict:
+        schedule = None if self.schedule is None else self.schedule.describe()
+        return {"n": self.n, "m": self.m, "values": _DTYPE_NAMES[self.values],
+                "shared_mask": self.shared_mask, "error_feedback": self.error_feedback,
+                "schedule": schedule}
+
+    def state_dict(self) -> dict:
+        """Residuals, mask estimates, steps and schedule positions, for an exact resume."""
+        with self._lock:
+            return {
+                "config": self._config(),
+                "residuals": self.memory.state_dict(),
+                "tensors": {key: {"step": s.step, "level": s.level, "ema": s.ema,
+                                  "since": s.since,
+                                  "estimate": None if s.estimate is None else s.estimate.clone(),
+                                  "wait": None if s.wait is None else s.wait.clone()}
+                            for key, s in self._tensors.items()},
+                "stats": dict(self.stats),
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict saved; ValueError when it came from another configuration."""
+        saved = state.get("config")
+        if saved != self._config():
+            raise ValueError(f"N:M state was saved with configuration {saved}, but this "
+                             f"compressor is {self._config()}")
+        with self._lock:
+            self.memory.load_state_dict(state["residuals"])
+            self._tensors = {
+                key: _TensorState(step=int(s["step"]), level=int(s["level"]), ema=s["ema"],
+                                  since=int(s["since"]),
+                                  estimate=None if s["estimate"] is None else s["estimate"].clone(),
+                                  wait=None if s["wait"] is None else s["wait"].clone())
+                for key, s in state["tensors"].items()}
+            self.stats = dict(state.get("stats", self.stats))
+
+
+def nm(n: int = 2, m: int = 4, values: torch.dtype = torch.float32, shared_mask: bool = True,
+       error_feedback: bool = True, schedule=None) -> NMCompressor:
+    """``Compression.nm(...)``: a new N:M compressor (one per optimizer: it keeps state)."""
+    return NMCompressor(n, m, values, shared_mask, error_feedback, schedule)
