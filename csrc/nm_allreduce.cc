@@ -4,24 +4,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "chunking.h"
 #include "nm_sparse.h"
 #include "reduce.h"
 
 namespace fusionring {
 namespace {
 
-// Splits `count` items into `parts` nearly equal contiguous chunks (as the plain ring does).
-struct Chunking {
-  std::size_t count, parts, base, extra;
-  Chunking(std::size_t count_, std::size_t parts_)
-      : count(count_), parts(parts_), base(count_ / parts_), extra(count_ % parts_) {}
-  std::size_t begin(std::size_t c) const { return c * base + std::min(c, extra); }
-  std::size_t length(std::size_t c) const { return base + (c < extra ? 1 : 0); }
-};
-
-inline std::size_t mod(long long a, long long n) {
-  return static_cast<std::size_t>(((a % n) + n) % n);
-}
+inline std::size_t mod(long long a, long long n) { return ring_mod(a, n); }
 
 inline std::size_t round8(std::size_t bytes) { return (bytes + 7) / 8 * 8; }
 
