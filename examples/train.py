@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusionring.torch as hvd
+from fusionring.datasets import load_digits_split
 from fusionring.plan import Plan, make_plan
 
 
@@ -29,18 +30,6 @@ def build_model(hidden: int, depth: int) -> nn.Module:
         width = hidden
     layers.append(nn.Linear(width, 10))
     return nn.Sequential(*layers)
-
-
-def load_digits_split(seed: int):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    n_test = len(x) // 5
-    return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
 
 
 def compression_from(name: str):

@@ -62,19 +62,6 @@ def build_model(hidden: int, depth: int):
     return nn.Sequential(*layers)
 
 
-def load_digits_split(seed: int):
-    """scikit-learn's bundled digits (1797 8x8 images): 80% train, 20% test, shuffled by ``seed``."""
-    import torch
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    n_test = len(x) // 5
-    return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
-
 
 @dataclasses.dataclass
 class BenchContext:
@@ -709,6 +696,8 @@ def run_worker(args: argparse.Namespace) -> int:
         result["collectives"] = run_collectives(comm, interface, args.collective_mib * MIB,
                                                 args.collective_repeats)
     if args.mode in ("both", "train"):
+        from .datasets import load_digits_split
+
         train, test = load_digits_split(args.seed)
         ctx = BenchContext(rank, size, comm, args.hidden, args.depth, args.lr, args.momentum,
                            args.batch_size, args.seed, train, test)
