@@ -4,21 +4,13 @@
 #include <memory>
 #include <vector>
 
+#include "chunking.h"
 #include "reduce.h"
 
 namespace fusionring {
 namespace {
 
-// Splits `count` elements into `parts` nearly equal contiguous chunks.
-struct Chunking {
-  std::size_t count, parts, base, extra;
-  Chunking(std::size_t count_, std::size_t parts_)
-      : count(count_), parts(parts_), base(count_ / parts_), extra(count_ % parts_) {}
-  std::size_t begin(std::size_t c) const { return c * base + std::min(c, extra); }
-  std::size_t length(std::size_t c) const { return base + (c < extra ? 1 : 0); }
-};
-
-inline std::size_t mod(long long a, long long n) { return static_cast<std::size_t>(((a % n) + n) % n); }
+inline std::size_t mod(long long a, long long n) { return ring_mod(a, n); }
 
 // Receive scratch kept across calls. A fresh std::vector per call zero-fills and page-faults
 // tens of MiB each time (at 64 MiB that doubled the ring's time). One buffer per thread, so
