@@ -350,6 +350,40 @@ def command_line() -> str:
 # Writing
 
 
+def add_run_options(parser, default_doc: str) -> None:
+    """The options every benchmark script shares: load gate, output document, raw results."""
+    import argparse
+
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="wait (up to 5 min) for the 1-minute load to drop to this first")
+    parser.add_argument("--doc", default=default_doc)
+    parser.add_argument("--no-doc", action="store_true", help="print only, write no files")
+    parser.add_argument("--timeout-s", type=float, default=480.0, help="per mpiexec launch")
+    parser.add_argument("--save-results", default="",
+                        help="also write the raw results (JSON) here")
+    parser.add_argument("--from-results", default="",
+                        help="measure nothing: rewrite the document from saved raw results")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def start_run(args) -> "Run":
+    """A Run to fill (after waiting for a quiet machine), or the saved one --from-results names.
+
+    A saved run also restores the options it was measured with into `args`.
+    """
+    if args.from_results:
+        run = Run.load(args.from_results)
+        for key, value in run.options.items():
+            if key not in ("doc", "no_doc", "from_results", "save_results"):
+                setattr(args, key, value)
+        return run
+    run = Run(command_line(), machine_summary(), [], [], {})
+    if args.max_load is not None:
+        wait_for_quiet_machine(args.max_load)
+    run.loads.append(("before", load_average()))
+    return run
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
                    align: Optional[str] = None) -> str:
     """A GitHub markdown table. ``align`` has one letter per column: l, r or c (default:

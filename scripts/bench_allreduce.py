@@ -32,11 +32,10 @@ from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _benchutil import (DOCS_DIR, KIB, MIB, BenchDoc, command_line, format_bytes,  # noqa: E402
-                        format_ratio, format_seconds, free_port, launch_under_mpiexec,
-                        line_plot, load_average, machine_summary, parse_sizes,
-                        print_table, ratio, Run, summarize, wait_for_quiet_machine,
-                        write_result)
+from _benchutil import (add_run_options, start_run, DOCS_DIR, KIB, MIB, BenchDoc, format_bytes,
+                        format_ratio, format_seconds, free_port, launch_under_mpiexec, line_plot,
+                        load_average, parse_sizes, print_table, ratio, Run, summarize,
+                        write_result)  # noqa: E402
 
 MPI_NAME, CORE_NAME, HVD_NAME, GLOO_NAME = "MPI", "core", "hvd", "gloo"
 
@@ -347,32 +346,15 @@ def main() -> None:
                         help="comma list: one user-API contender per cycle time; the first is "
                              "'hvd' (default: FUSIONRING_CYCLE_TIME_MS)")
     parser.add_argument("--skip-gloo", action="store_true", help="leave out torch.distributed")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="wait (up to 5 min) for the 1-minute load to drop to this first")
-    parser.add_argument("--doc", default=os.path.join(DOCS_DIR, "allreduce.md"))
-    parser.add_argument("--no-doc", action="store_true", help="print only, write no files")
-    parser.add_argument("--timeout-s", type=float, default=480.0, help="per mpiexec launch")
-    parser.add_argument("--save-results", default="",
-                        help="also write the raw results (JSON) here")
-    parser.add_argument("--from-results", default="",
-                        help="measure nothing: rewrite the document from saved raw results")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_run_options(parser, os.path.join(DOCS_DIR, "allreduce.md"))
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
 
-    if args.from_results:
-        run = Run.load(args.from_results)
-        for key, value in run.options.items():
-            if key not in ("doc", "no_doc", "from_results", "save_results"):
-                setattr(args, key, value)
-    else:
-        run = Run(command_line(), machine_summary(), [], [], {})
-        if args.max_load is not None:
-            wait_for_quiet_machine(args.max_load)
+    run = start_run(args)
+    if not args.from_results:
         loads = run.loads
-        loads.append(("before", load_average()))
         forwarded = ["--worker", "--sizes", args.sizes, "--repeats", str(args.repeats)]
         if args.core_segment_bytes:
             forwarded += ["--core-segment-bytes", args.core_segment_bytes]

@@ -38,11 +38,10 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _benchutil import (DOCS_DIR, BenchDoc, bar_plot, coefficient_of_variation,  # noqa: E402
-                        command_line, format_bytes, format_ratio, free_port,
-                        launch_under_mpiexec, load_average, machine_summary,
-                        parse_sizes, print_table, ratio, Run, summarize,
-                        wait_for_quiet_machine, write_result)
+from _benchutil import (add_run_options, start_run, DOCS_DIR, BenchDoc, bar_plot,
+                        coefficient_of_variation, format_bytes, format_ratio, free_port,
+                        launch_under_mpiexec, load_average, parse_sizes, print_table, ratio, Run,
+                        summarize, write_result)  # noqa: E402
 
 CONFIGS = ("none", "threshold", "plan", "ddp", "compute")
 LABELS = {"none": "no fusion", "threshold": "threshold fusion", "plan": "plan-based fusion",
@@ -425,33 +424,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--trace-dir", default="",
                         help="write rank 0's timeline of the threshold and plan rounds here")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="wait (up to 5 min) for the 1-minute load to drop to this first")
-    parser.add_argument("--doc", default=os.path.join(DOCS_DIR, "fusion.md"))
-    parser.add_argument("--no-doc", action="store_true")
-    parser.add_argument("--timeout-s", type=float, default=480.0, help="per mpiexec launch")
-    parser.add_argument("--save-results", default="",
-                        help="also write the raw results (JSON) here")
-    parser.add_argument("--from-results", default="",
-                        help="measure nothing: rewrite the document from saved raw results")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_run_options(parser, os.path.join(DOCS_DIR, "fusion.md"))
     parser.add_argument("--model", default="small", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
 
-    if args.from_results:
-        run = Run.load(args.from_results)
-        for key, value in run.options.items():
-            if key not in ("doc", "no_doc", "from_results", "save_results"):
-                setattr(args, key, value)
-    else:
-        run = Run(command_line(), machine_summary(), [], [], {})
-        if args.max_load is not None:
-            wait_for_quiet_machine(args.max_load)
+    run = start_run(args)
+    if not args.from_results:
         loads = run.loads
-        loads.append(("before", load_average()))
         passthrough = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
                        str(args.warmup), "--batch", str(args.batch), "--width", str(args.width),
                        "--hidden", str(args.hidden), "--depth", str(args.depth), "--large-width",
