@@ -18,6 +18,7 @@
 #endif
 #include "reduce.h"
 #include "ring_allreduce.h"
+#include "shm_allreduce.h"
 #include "transport_mpi.h"
 
 namespace py = pybind11;
@@ -109,6 +110,36 @@ class Communicator {
   MpiTransport transport_;
 };
 
+class SharedMemoryAllreduce {
+ public:
+  SharedMemoryAllreduce(std::uintptr_t handle, std::size_t slot_bytes)
+      : impl_(comm_from_handle(handle), slot_bytes) {}
+  int rank() const { return impl_.rank(); }
+  int size() const { return impl_.size(); }
+  std::size_t slot_bytes() const { return impl_.slot_bytes(); }
+
+  void allreduce(const std::vector<std::uintptr_t>& addresses, const std::vector<std::size_t>& bytes,
+                 int dtype, int op, double prescale, double postscale, double timeout_s) {
+    const DType t = dtype_from_int(dtype);
+    const ReduceOp o = op_from_int(op);
+    auto views = views_of(addresses, bytes);
+    ShmAllreduceOptions options;
+    options.prescale = prescale;
+    options.postscale = postscale;
+    options.timeout_s = timeout_s;
+    py::gil_scoped_release release;
+    impl_.allreduce(views, t, o, options);
+  }
+
+  void barrier(double timeout_s) {
+    py::gil_scoped_release release;
+    impl_.barrier(timeout_s);
+  }
+
+ private:
+  ShmAllreduce impl_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -157,6 +188,19 @@ PYBIND11_MODULE(_C, m) {
            py::arg("segment_bytes") = 1 << 20,
            "In-place N:M-compressed sum of `count` float32 at `address` with per-rank masks "
            "(compressed reduce-scatter + allgather); returns {bytes_sent, bytes_received}.");
+
+  py::class_<SharedMemoryAllreduce>(m, "SharedMemoryAllreduce")
+      .def(py::init<std::uintptr_t, std::size_t>(), py::arg("handle"), py::arg("slot_bytes") = 4 << 20,
+           "Collective over the communicator; ValueError unless all its ranks share this host.")
+      .def_property_readonly("rank", &SharedMemoryAllreduce::rank)
+      .def_property_readonly("size", &SharedMemoryAllreduce::size)
+      .def_property_readonly("slot_bytes", &SharedMemoryAllreduce::slot_bytes)
+      .def("allreduce", &SharedMemoryAllreduce::allreduce, py::arg("addresses"), py::arg("bytes"),
+           py::arg("dtype"), py::arg("op"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           py::arg("timeout_s") = 0.0,
+           "In-place allreduce of the concatenation of the (address, bytes) buffers through a "
+           "shared window: no pack or unpack copy (GIL released).")
+      .def("barrier", &SharedMemoryAllreduce::barrier, py::arg("timeout_s") = 0.0);
 
   m.def(
       "reduce_into",

@@ -319,6 +319,8 @@ class Cluster:
             "FI_PROVIDER": "tcp",
             # pin libfabric to the namespace's veth; without it the tcp provider may pick loopback
             "FI_TCP_IFACE": RANK_INTERFACE,
+            # nor fusionring's own shared-memory allreduce
+            "FUSIONRING_SHARED_MEMORY": "off",
         }
 
     def _check_rank(self, rank: int) -> None:

@@ -42,6 +42,10 @@ class Settings:
     ring_segment_bytes: int = 1 << 20
     small_message_bytes: int = 64 * 1024
     slowdown_factor: float = 1.0
+    # "auto": reduce through a shared-memory window when every rank shares this host (and
+    # MPI is not told to avoid shared memory); "on": require it; "off": MPI transport only.
+    shared_memory: str = "auto"
+    shm_slot_bytes: int = 1 << 20
 
 
 def _from_environment() -> Settings:
@@ -56,7 +60,21 @@ def _from_environment() -> Settings:
         ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, int),
         small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, int),
         slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, float),
+        shared_memory=_read("SHARED_MEMORY", _shared_memory_default(d.shared_memory), _mode),
+        shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
     )
+
+
+def _mode(raw: str) -> str:
+    value = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(raw.lower(), raw.lower())
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"expected auto, on or off, got {raw!r}")
+    return value
+
+
+def _shared_memory_default(default: str) -> str:
+    # MPICH told to treat every peer as remote (e.g. ranks in emulated hosts): so are we.
+    return "off" if os.environ.get("MPIR_CVAR_NOLOCAL", "0").strip() not in ("", "0") else default
 
 
 _cached: Optional[Settings] = None

@@ -6,6 +6,9 @@ round (the order rotates every round):
 * ``MPI``: mpi4py's in-place ``Allreduce`` on a numpy array (MPICH's own algorithm choice);
 * ``core``: fusionring's C++ core, ``_C.Communicator.allreduce`` on the same buffer (same footing
   as MPI: no Python loop, no negotiation);
+* ``core shm``: the core's shared-memory allreduce, ``_C.SharedMemoryAllreduce.allreduce``
+  (every rank on one host: each copies its buffer into a shared window once, reduces its
+  1/N there and copies the result out; the runtime uses it when ranks have a core each);
 * ``hvd``: the user API, ``hvd.allreduce_(tensor, op=hvd.Sum)``, which goes through the
   background loop (negotiation every cycle, scheduling, then the core);
 * ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend (env:// rendezvous on
@@ -38,6 +41,7 @@ from _benchutil import (add_run_options, start_run, DOCS_DIR, KIB, MIB, BenchDoc
                         write_result)  # noqa: E402
 
 MPI_NAME, CORE_NAME, HVD_NAME, GLOO_NAME = "MPI", "core", "hvd", "gloo"
+SHM_NAME = CORE_NAME + " shm"
 
 # Targets (4 ranks): bandwidth ratios at 64 MiB and the latency ratio at 4 KiB.
 TARGET_RANKS = 4
@@ -117,6 +121,9 @@ def worker(args: argparse.Namespace) -> None:
     for seg in segments:
         name = CORE_NAME if len(segments) == 1 else f"{CORE_NAME} seg {format_bytes(seg)}"
         contenders[name] = core_op(seg)
+    if not args.skip_shm and size > 1:
+        shm = _C.SharedMemoryAllreduce(MPI._handleof(comm.Dup()), config.shm_slot_bytes)
+        contenders[SHM_NAME] = lambda n: shm.allreduce([buf.ctypes.data], [4 * n], 0, 0)
     hvd_cycles: Dict[str, Optional[float]] = {}
     if not args.skip_hvd:
         cycles = [float(c) for c in args.hvd_cycle_ms.split(",")] if args.hvd_cycle_ms else [None]
@@ -294,10 +301,12 @@ def write_doc(run: Run, doc_path: str, png_name: str) -> None:
         "float32 sum, in place. Contenders: **MPI** = mpi4py `Allreduce(MPI.IN_PLACE, ...)` on a "
         "numpy array; **core** = fusionring's C++ ring (recursive doubling at or below "
         f"{format_bytes(results[0]['small_message_bytes'])}) called directly through "
-        "`_C.Communicator.allreduce` on the same array; **hvd** = the user API "
+        "`_C.Communicator.allreduce` on the same array; **core shm** = the core's shared-memory "
+        "allreduce (`_C.SharedMemoryAllreduce`: one copy into a shared window, each rank "
+        "reduces 1/N in place, one copy out; waits sleep on a futex); **hvd** = the user API "
         "`hvd.allreduce_(tensor, op=hvd.Sum)`, which also pays the background loop "
         f"(negotiation, cycle time {results[0]['cycle_time_ms']:g} ms); **gloo** = "
-        "`torch.distributed.all_reduce` with the gloo backend. All four share one buffer and "
+        "`torch.distributed.all_reduce` with the gloo backend. All share one buffer and "
         "run in one `mpiexec` launch per rank count, interleaved round by round with the order "
         "rotated each round. Each sample is the slowest rank's median over 1-32 back-to-back "
         "operations (after one untimed one); tables give the median of the samples over rounds. "
@@ -346,6 +355,8 @@ def main() -> None:
                         help="comma list: one user-API contender per cycle time; the first is "
                              "'hvd' (default: FUSIONRING_CYCLE_TIME_MS)")
     parser.add_argument("--skip-gloo", action="store_true", help="leave out torch.distributed")
+    parser.add_argument("--skip-shm", action="store_true",
+                        help="leave out the core's shared-memory allreduce")
     add_run_options(parser, os.path.join(DOCS_DIR, "allreduce.md"))
     args = parser.parse_args()
     if args.worker:
@@ -361,6 +372,7 @@ def main() -> None:
         forwarded += ["--skip-hvd"] if args.skip_hvd else []
         forwarded += ["--hvd-cycle-ms", args.hvd_cycle_ms] if args.hvd_cycle_ms else []
         forwarded += ["--skip-gloo"] if args.skip_gloo else []
+        forwarded += ["--skip-shm"] if args.skip_shm else []
         results = run.results
         for n in [int(x) for x in args.ranks.split(",")]:
             result = launch_under_mpiexec(os.path.abspath(__file__), n, forwarded,

@@ -14,6 +14,8 @@ hvd.init()
 comm = MPI.COMM_WORLD
 rank, size = hvd.rank(), hvd.size()
 core = _C.Communicator(MPI._handleof(comm.Dup()))
+# A tiny slot: buffers over 1024 float32 take several pieces.
+shm = _C.SharedMemoryAllreduce(MPI._handleof(comm.Dup()), 4096) if size > 1 else None
 SIZES = [0, 1, 2, size - 1, size + 1, 7, 17, 1021, 40009]
 OPS = {"Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product,
        "Average": hvd.Average}
@@ -81,6 +83,14 @@ for dtype in DTYPE_CODES:
                 core.allreduce(y.data_ptr(), n, DTYPE_CODES[dtype], code, 1.0, 1.0, 4096, 0,
                                algorithm)
                 check(algorithm, y, dtype, n, op)
+            if shm is not None:
+                # Several buffers reduced as one, as a fused batch is.
+                y = x.clone()
+                parts = list(torch.tensor_split(y, 3))
+                shm.allreduce([p.data_ptr() for p in parts],
+                              [p.numel() * p.element_size() for p in parts],
+                              DTYPE_CODES[dtype], code, 1.0, 1.0, 0.0)
+                check("shared_memory", y, dtype, n, op)
 
 # Prescale / postscale compose with Average exactly as documented: (sum(pre*x)/size)*post.
 x = data(torch.float64, 1000, rank, "Sum")
@@ -90,9 +100,21 @@ if not torch.allclose(got, reference(torch.float64, 1000, "Sum") / size, atol=1e
 report(failures)
 '''
 
+# The same through the runtime with every dense allreduce on the shared-memory window.
+SHARED_MEMORY_ENV = {"FUSIONRING_SHARED_MEMORY": "on", "FUSIONRING_SHM_SLOT_BYTES": "4096",
+                     "FUSIONRING_SMALL_MESSAGE_BYTES": "0"}
+
 
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_allreduce_matches_numpy_for_every_dtype_op_and_size(np_, tmp_path):
     results = run_ranks(np_, CASES, tmp_path, timeout=240)
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:10]}"
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_shared_memory_transport_matches_numpy(np_, tmp_path):
+    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import runtime as _rt\nassert _rt.get().shared_memory")
+    results = run_ranks(np_, code, tmp_path, timeout=240, env=SHARED_MEMORY_ENV)
     for rank, failures in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:10]}"

@@ -152,3 +152,38 @@ def test_stall_warns_then_fails_every_rank(tmp_path):
     assert "rank 1" in results[0]["error"] and results[0]["after_s"] < 10
     assert results[1]["error"] and "'lonely'" in results[1]["error"]
     assert "allreduce 'lonely' waiting" in output  # the warning, on rank 0
+
+
+SHM_LATE_PEER = r'''
+import time
+import numpy as np
+from mpi4py import MPI
+from fusionring import _C
+comm = MPI.COMM_WORLD
+shm = _C.SharedMemoryAllreduce(MPI._handleof(comm.Dup()), 4096)
+x = np.ones(10, np.float32)
+shm.allreduce([x.ctypes.data], [x.nbytes], 0, 0)
+assert (x == comm.size).all()
+if comm.rank == 0:
+    # Rank 1 is late: a bounded wait fails with a message naming both ranks.
+    try:
+        shm.allreduce([x.ctypes.data], [x.nbytes], 0, 0, timeout_s=0.5)
+        report("no error")
+    except RuntimeError as exc:
+        report(str(exc))
+    time.sleep(3)
+else:
+    time.sleep(1.5)
+    # Now rank 0 has given up on that call: rank 1 waits for it in vain, and times out too.
+    try:
+        shm.allreduce([x.ctypes.data], [x.nbytes], 0, 0, timeout_s=0.5)
+        report("no error")
+    except RuntimeError as exc:
+        report(str(exc))
+'''
+
+
+def test_shared_memory_waits_fail_with_a_message_instead_of_hanging(tmp_path):
+    results = run_ranks(2, SHM_LATE_PEER, tmp_path, timeout=60)
+    assert "rank 0 waited 0 s for rank 1 in a shared-memory allreduce" in results[0]
+    assert "rank 1 waited 0 s for rank 0 in a shared-memory allreduce" in results[1]

@@ -151,10 +151,10 @@ def test_cluster_dry_run_starts_each_rank_in_its_namespace_over_tcp(fake_mpiexec
                      "--slow", "1:2", "python", "t.py")
     assert done.returncode == 0, done.stderr
     words = shlex.split(done.stdout.strip())
-    env = dict(word.split("=", 1) for word in words[:4])
+    env = dict(word.split("=", 1) for word in words[:5])
     assert env == {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
-                   "FI_TCP_IFACE": "eth0"}
-    segments = " ".join(words[5:]).split(" : ")
+                   "FI_TCP_IFACE": "eth0", "FUSIONRING_SHARED_MEMORY": "off"}
+    segments = " ".join(words[6:]).split(" : ")
     assert len(segments) == 2
     assert segments[0].endswith("netns exec fr0 python t.py") and segments[0].startswith("-n 1 ")
     assert segments[1].endswith("netns exec fr1 env FUSIONRING_SLOWDOWN=2 python t.py")

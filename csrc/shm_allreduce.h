@@ -1,0 +1,67 @@
+// Allreduce through shared memory, for a communicator whose ranks all live on one host.
+//
+// A ring over MPI's shared-memory transport copies every byte twice per hop (into MPI's
+// cells and out again) and waits 2(P-1) times on its neighbours. Here each rank copies its
+// input once into its slot of a shared window, reduces its own 1/P of every slot in place
+// (in rank order, so the result is bitwise identical on every rank and from run to run),
+// and copies the reduced result straight into its outputs: two waits per piece, no extra
+// copies, and the fusion buffer's pack and unpack disappear into the first and last copy.
+// Waits spin briefly and then yield the core, which matters when ranks outnumber cores.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "dtype.h"
+#include "fusion_buffer.h"
+
+namespace fusionring {
+
+struct ShmAllreduceOptions {
+  double prescale = 1.0;
+  double postscale = 1.0;
+  double timeout_s = 0.0;  // > 0: fail a wait that lasts longer (0: wait while peers live)
+};
+
+class ShmAllreduce {
+ public:
+  // Collective over `comm`. Throws InvalidArgument when the ranks do not share one host.
+  // `slot_bytes` bounds the piece of the buffer reduced at a time (per rank, per half).
+  ShmAllreduce(MPI_Comm comm, std::size_t slot_bytes);
+  ~ShmAllreduce();
+  ShmAllreduce(const ShmAllreduce&) = delete;
+  ShmAllreduce& operator=(const ShmAllreduce&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::size_t slot_bytes() const { return slot_bytes_; }
+
+  // Reduces the concatenation of `buffers` (each a whole number of elements of `dtype`)
+  // across ranks and writes the result back into them. Every rank passes the same sizes.
+  void allreduce(const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
+                 const ShmAllreduceOptions& options);
+
+  // Returns once every rank has called it (a shared-memory barrier).
+  void barrier(double timeout_s = 0.0);
+
+ private:
+  struct Header;
+  char* slot(int rank, int half) const;
+  void wait_for_all(std::uint64_t epoch, double timeout_s);
+
+  MPI_Win win_ = MPI_WIN_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  std::size_t slot_bytes_ = 0;
+  Header* header_ = nullptr;
+  char* slots_ = nullptr;
+  std::uint64_t epoch_ = 0;   // barriers passed by this rank
+  std::uint64_t pieces_ = 0;  // pieces reduced; selects the half of the double buffer
+};
+
+}  // namespace fusionring
