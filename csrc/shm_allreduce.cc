@@ -21,10 +21,12 @@ namespace {
 
 constexpr std::size_t kLine = 64;
 
-// A wait spins this many times, then sleeps on a futex in the shared window, so waiting
-// ranks give their core to ranks that still work (ranks often outnumber cores). Sleeps
-// are bounded so the clock and the peers' liveness get checked.
+// A wait spins for a short while (a futex wake-up costs tens of microseconds; measured:
+// 64 KiB at 2 ranks took 53 us with no spin, 12 us with 20 us of spin), then sleeps on a
+// futex in the shared window, so a waiting rank gives its core to ranks still working.
+// Sleeps are bounded so the clock and the peers' liveness get checked.
 constexpr int kSpinsBeforeSleep = 64;
+constexpr std::chrono::microseconds kSpinBeforeSleep{20};
 constexpr long kSleepNs = 50 * 1000 * 1000;
 
 // Shared (not process-private) futex: the word lives in memory mapped by every rank.
@@ -171,6 +173,7 @@ char* ShmAllreduce::slot(int rank, int half) const {
 }
 
 void ShmAllreduce::wait_for_all(std::uint64_t epoch, double timeout_s) {
+  using clock = std::chrono::steady_clock;
   RankLine* lines = &header_->ranks[0];
   WakeLine& wake = header_->wake;
   lines[rank_].epoch.store(epoch, std::memory_order_seq_cst);
@@ -178,13 +181,14 @@ void ShmAllreduce::wait_for_all(std::uint64_t epoch, double timeout_s) {
     wake.sequence.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&wake.sequence);
   }
-  using clock = std::chrono::steady_clock;
   clock::time_point started{};
   bool timing = false;
   for (int r = 0; r < size_; ++r) {
-    for (int spins = 0; spins < kSpinsBeforeSleep; ++spins) {
+    const auto spin_until = clock::now() + kSpinBeforeSleep;
+    for (int spins = 0;; ++spins) {
       if (lines[r].epoch.load(std::memory_order_acquire) >= epoch) break;
       cpu_relax();
+      if (spins >= kSpinsBeforeSleep && spins % 64 == 0 && clock::now() >= spin_until) break;
     }
     while (true) {
       // Announce the sleep, then look again: an arriving rank either is seen here or
