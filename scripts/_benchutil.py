@@ -384,6 +384,25 @@ def start_run(args) -> "Run":
     return run
 
 
+def finish_run(run: "Run", args, targets: Callable[[list], List[str]],
+               plot: Callable[[list, str], None], write_doc: Callable[[str], None]) -> None:
+    """After measuring (or loading): save if asked, print the verdicts, plot, write the report.
+
+    ``write_doc`` gets the plot's file name, relative to the report.
+    """
+    if not args.from_results:
+        run.options = vars(args)
+        if args.save_results:
+            run.save(args.save_results)
+    for line in targets(run.results):
+        print(line)
+    if not args.no_doc:
+        png = os.path.splitext(args.doc)[0] + ".png"
+        plot(run.results, png)
+        write_doc(os.path.basename(png))
+        print(f"wrote {args.doc} and {png}")
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
                    align: Optional[str] = None) -> str:
     """A GitHub markdown table. ``align`` has one letter per column: l, r or c (default:

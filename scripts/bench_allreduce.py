@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _benchutil import (add_run_options, start_run, DOCS_DIR, KIB, MIB, BenchDoc, format_bytes,
+from _benchutil import (add_run_options, finish_run, start_run, DOCS_DIR, KIB, MIB, BenchDoc, format_bytes,
                         format_ratio, format_seconds, free_port, launch_under_mpiexec, line_plot,
                         load_average, parse_sizes, print_table, ratio, Run, summarize,
                         write_result)  # noqa: E402
@@ -386,17 +386,7 @@ def main() -> None:
             print(f"\n== {n} ranks (median of {args.repeats})")
             print_table(*time_table(result))
             print_table(*ratio_table(result))
-        run.options = vars(args)
-        if args.save_results:
-            run.save(args.save_results)
-    results = run.results
-    for line in targets(results):
-        print(line)
-    if not args.no_doc:
-        png = os.path.splitext(args.doc)[0] + ".png"
-        plot(results, png)
-        write_doc(run, args.doc, os.path.basename(png))
-        print(f"wrote {args.doc} and {png}")
+    finish_run(run, args, targets, plot, lambda png: write_doc(run, args.doc, png))
 
 
 if __name__ == "__main__":

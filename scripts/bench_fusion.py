@@ -38,7 +38,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _benchutil import (add_run_options, start_run, DOCS_DIR, BenchDoc, bar_plot,
+from _benchutil import (add_run_options, finish_run, start_run, DOCS_DIR, BenchDoc, bar_plot,
                         coefficient_of_variation, format_bytes, format_ratio, free_port,
                         launch_under_mpiexec, load_average, parse_sizes, print_table, ratio, Run,
                         summarize, write_result)  # noqa: E402
@@ -457,17 +457,7 @@ def main() -> None:
                       for p in result["plan"].values()))
             headers, rows = table(result)
             print_table(headers, rows)
-        run.options = vars(args)
-        if args.save_results:
-            run.save(args.save_results)
-    results = run.results
-    for line in targets(results):
-        print(line)
-    if not args.no_doc:
-        png = os.path.splitext(args.doc)[0] + ".png"
-        plot(results, png)
-        write_doc(run, args, args.doc, os.path.basename(png))
-        print(f"wrote {args.doc} and {png}")
+    finish_run(run, args, targets, plot, lambda png: write_doc(run, args, args.doc, png))
 
 
 if __name__ == "__main__":
