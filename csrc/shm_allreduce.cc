@@ -25,8 +25,8 @@ constexpr std::size_t kLine = 64;
 // 64 KiB at 2 ranks took 53 us with no spin, 12 us with 20 us of spin), then sleeps on a
 // futex in the shared window, so a waiting rank gives its core to ranks still working.
 // Sleeps are bounded so the clock and the peers' liveness get checked.
-constexpr int kSpinsBeforeSleep = 64;
 constexpr std::chrono::microseconds kSpinBeforeSleep{20};
+constexpr int kSpinsBetweenClockReads = 64;
 constexpr long kSleepNs = 50 * 1000 * 1000;
 
 // Shared (not process-private) futex: the word lives in memory mapped by every rank.
@@ -185,10 +185,9 @@ void ShmAllreduce::wait_for_all(std::uint64_t epoch, double timeout_s) {
   bool timing = false;
   for (int r = 0; r < size_; ++r) {
     const auto spin_until = clock::now() + kSpinBeforeSleep;
-    for (int spins = 0;; ++spins) {
-      if (lines[r].epoch.load(std::memory_order_acquire) >= epoch) break;
+    for (int spins = 1; lines[r].epoch.load(std::memory_order_acquire) < epoch; ++spins) {
       cpu_relax();
-      if (spins >= kSpinsBeforeSleep && spins % 64 == 0 && clock::now() >= spin_until) break;
+      if (spins % kSpinsBetweenClockReads == 0 && clock::now() >= spin_until) break;
     }
     while (true) {
       // Announce the sleep, then look again: an arriving rank either is seen here or

@@ -437,6 +437,17 @@ def _pyplot():
     return plt
 
 
+def _save_figure(plt, fig, axes, used: int, suptitle: Optional[str], path: str) -> None:
+    """Blank the unused axes, title the figure and write it."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def line_plot(path: str, panels: Sequence[Mapping[str, Any]], *, ncols: Optional[int] = None,
               suptitle: Optional[str] = None) -> None:
     """One or more line charts side by side, saved as PNG.
@@ -466,13 +477,7 @@ def line_plot(path: str, panels: Sequence[Mapping[str, Any]], *, ncols: Optional
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    if suptitle:
-        fig.suptitle(suptitle, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(plt, fig, axes, len(panels), suptitle, path)
 
 
 def bar_plot(path: str, panels: Sequence[Mapping[str, Any]], *, ncols: Optional[int] = None,
@@ -511,13 +516,7 @@ def bar_plot(path: str, panels: Sequence[Mapping[str, Any]], *, ncols: Optional[
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    if suptitle:
-        fig.suptitle(suptitle, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(plt, fig, axes, len(panels), suptitle, path)
 
 
 def preserved_section(path: str, heading: str) -> Optional[str]:
