@@ -5,6 +5,11 @@ id, and ranks AND a bit vector of the ids they have pending. A name that is new,
 whose spec changed, makes that cycle a full exchange instead: rank 0 gathers every
 rank's pending specs, validates them against each other (the precise cross-rank error
 comes from here), assigns cache ids and broadcasts the outcome.
+
+A rank that called ``join()`` counts as having submitted every allreduce, broadcast and
+barrier the others submit (it takes part with zeros, or as a receiver), and every
+allgather (with no rows); ranks learn each cycle who has joined, and the join completes
+once every rank has joined and nothing is pending anywhere.
 """
 from __future__ import annotations
 
@@ -17,8 +22,12 @@ import numpy as np
 FLAG_UNCACHED = 1
 FLAG_SHUTDOWN = 4
 FLAG_STALL_CHECK = 8
-# Header words before the bit vector: the ORed flags, then a word ANDed as it is (flush).
-_HEADER_WORDS = 2
+# Header words before the joined-ranks words and the bit vectors: the ORed flags, then
+# two words ANDed as they are (flush; nothing pending).
+_HEADER_WORDS = 3
+# Kinds a joined rank can take part in from the cache alone (allgather needs each rank's
+# row count, so with a joined rank it goes through a full exchange).
+_JOINABLE_FROM_CACHE = ("allreduce", "broadcast", "barrier")
 
 
 AUTO_NAME_MARK = ".noname."
@@ -36,10 +45,10 @@ def is_cacheable(name: str) -> bool:
 class TensorSpec:
     """What every rank must agree on before an operation's data moves."""
 
-    kind: str                 # allreduce | allgather | broadcast | barrier
+    kind: str                 # allreduce, allgather, alltoall, reducescatter, broadcast, barrier
     dtype: str
     shape: Tuple[int, ...]
-    op: str = ""              # reduction op name, allreduce only
+    op: str = ""              # reduction op name, allreduce and reducescatter only
     root: int = -1            # broadcast only
     prescale: float = 1.0
     postscale: float = 1.0
@@ -47,8 +56,10 @@ class TensorSpec:
     detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
 
     def comparable(self) -> tuple:
-        """The fields that must be equal across ranks (allgather may differ in dim 0)."""
-        shape = self.shape[1:] if self.kind == "allgather" and self.shape else self.shape
+        """The fields that must be equal across ranks (allgather and alltoall may differ
+        in dim 0; how alltoall splits it is exchanged when it runs)."""
+        shape = (self.shape[1:] if self.kind in ("allgather", "alltoall") and self.shape
+                 else self.shape)
         ndim = len(self.shape)
         return (self.kind, self.dtype, ndim, shape, self.op, self.root, self.prescale,
                 self.postscale, self.compression, self.detail)
@@ -56,10 +67,14 @@ class TensorSpec:
 
 @dataclasses.dataclass
 class Ready:
-    """A tensor ready on every rank; `first_dims` holds each rank's dim 0 for allgather."""
+    """A tensor ready on every rank; `first_dims` holds each rank's dim 0 for allgather.
+
+    `spec` is the agreed spec: a joined rank, which submitted nothing, builds its part
+    of the operation from it."""
 
     name: str
     first_dims: Optional[List[int]] = None
+    spec: Optional[TensorSpec] = None
 
 
 @dataclasses.dataclass
@@ -72,6 +87,9 @@ class Outcome:
     shutdown_ranks: List[int] = dataclasses.field(default_factory=list)
     abort: Optional[str] = None
     stall_warning: Optional[str] = None
+    joined_ranks: List[int] = dataclasses.field(default_factory=list)
+    join_done: bool = False   # every rank has joined and nothing is pending anywhere
+    last_joined: int = -1     # with join_done: the rank that joined last
 
 
 def display_name(name: str) -> str:
@@ -86,7 +104,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 def _field_values(spec: TensorSpec) -> List[Tuple[str, object]]:
     shape = list(spec.shape)
-    if spec.kind == "allgather":
+    if spec.kind in ("allgather", "alltoall"):
         shape_field = ("shape (all but the first dimension)", [*shape[1:]] if shape else [])
     else:
         shape_field = ("shape", shape)
@@ -96,7 +114,8 @@ def _field_values(spec: TensorSpec) -> List[Tuple[str, object]]:
             ("compression", spec.compression or "none"), ("configuration", spec.detail)]
 
 
-def mismatch_message(name: str, specs: Sequence[TensorSpec]) -> Optional[str]:
+def mismatch_message(name: str, specs: Sequence[TensorSpec],
+                     ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """Describe how ranks disagree on `name`, or None when they agree.
 
     The text names the operation, the tensor, the field and which ranks sent what, e.g.
@@ -108,9 +127,10 @@ def mismatch_message(name: str, specs: Sequence[TensorSpec]) -> Optional[str]:
     if name.startswith(first.kind + "."):  # internal names carry the operation as a prefix
         name = name[len(first.kind) + 1:]
     per_rank = [_field_values(s) for s in specs]
+    ranks = list(ranks) if ranks is not None else list(range(len(specs)))
     for i, (field, _) in enumerate(per_rank[0]):
         by_value: Dict[str, List[int]] = {}
-        for rank, values in enumerate(per_rank):
+        for rank, values in zip(ranks, per_rank):
             by_value.setdefault(repr(values[i][1]) if not isinstance(values[i][1], str)
                                 else values[i][1], []).append(rank)
         if len(by_value) > 1:
@@ -126,12 +146,14 @@ class _Report:
 
     rank: int
     pending: List[Tuple[str, TensorSpec, float]]
+    joined: bool = False
 
 
 def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
                stall_shutdown_s: Optional[float]) -> Outcome:
     """Rank 0's half of a full exchange: validate, pick what is ready, spot stalls."""
     size = len(reports)
+    joined = {report.rank for report in reports if report.joined}
     by_name: Dict[str, Dict[int, Tuple[TensorSpec, float]]] = {}
     for report in reports:
         for name, spec, age in report.pending:
@@ -142,19 +164,22 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     stalled: List[Tuple[str, List[int], float]] = []
     for name in order:
         entries = by_name[name]
-        if len(entries) < size:
+        missing = [r for r in range(size) if r not in entries]
+        if any(r not in joined for r in missing):
             oldest = max(age for _, age in entries.values())
-            missing = [r for r in range(size) if r not in entries]
-            stalled.append((name, missing, oldest))
+            stalled.append((name, [r for r in missing if r not in joined], oldest))
             continue
-        specs = [entries[r][0] for r in range(size)]
-        error = mismatch_message(name, specs)
+        present = sorted(entries)
+        specs = [entries[r][0] for r in present]
+        error = mismatch_message(name, specs, present) if len(present) > 1 else None
+        if error is None and missing:
+            error = _join_conflict(name, specs[0], missing)
         if error is not None:
             outcome.errors[name] = error
             continue
-        first_dims = ([s.shape[0] if s.shape else 1 for s in specs]
+        first_dims = ([_first_dim(entries[r][0]) if r in entries else 0 for r in range(size)]
                       if specs[0].kind == "allgather" else None)
-        outcome.ready.append(Ready(name, first_dims))
+        outcome.ready.append(Ready(name, first_dims, specs[0]))
     if stalled and stall_warning_s is not None:
         late = [(n, m, a) for n, m, a in stalled if a >= stall_warning_s]
         if late:
@@ -171,6 +196,29 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
             outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
                              f"tensors that some ranks never submitted: " + ", ".join(lines))
     return outcome
+
+
+def _first_dim(spec: TensorSpec) -> int:
+    return spec.shape[0] if spec.shape else 1
+
+
+def _join_conflict(name: str, spec: TensorSpec, joined: Sequence[int]) -> Optional[str]:
+    """Why ranks that have joined cannot take part in `name`, or None when they can."""
+    if spec.kind == "broadcast" and spec.root in joined:
+        return (f"broadcast '{_bare(name, spec)}': root rank {spec.root} has called join() and "
+                f"has no data to send")
+    if spec.kind == "allreduce" and spec.compression:
+        return (f"allreduce '{_bare(name, spec)}': {_ranks_text(joined)} called join(); "
+                f"compression '{spec.compression}' reduces inside the runtime and needs every "
+                f"rank's data (join() works with uncompressed and fp16 allreduces)")
+    if spec.kind not in _JOINABLE_FROM_CACHE + ("allgather",):
+        return (f"{spec.kind} '{_bare(name, spec)}' cannot complete: "
+                f"{_ranks_text(joined)} called join()")
+    return None
+
+
+def _bare(name: str, spec: TensorSpec) -> str:
+    return name[len(spec.kind) + 1:] if name.startswith(spec.kind + ".") else name
 
 
 @dataclasses.dataclass
@@ -197,47 +245,96 @@ class Negotiator:
         self._names_by_id: List[str] = []
         self.full_exchanges = 0
         self.cycles = 0
+        self._rank_words = (self.size + 63) // 64
+        self.joined_ranks: List[int] = []      # as of the last cycle
+        self._joined_since: Dict[int, int] = {}  # rank -> cycle it was first seen joined
 
     def _cached(self, name: str, spec: TensorSpec) -> Optional[_CacheEntry]:
         entry = self._cache.get(name)
         return entry if entry is not None and entry.spec == spec else None
 
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
-              shutdown: bool, stall_check: bool) -> Outcome:
+              shutdown: bool, stall_check: bool, joined: bool = False,
+              idle: bool = True) -> Outcome:
         """One agreement round. `pending` holds (name, spec, age_s) per request.
 
         `flush` is this rank's vote to release incomplete fusion groups; it carries only
         when every rank votes, so a group is never split while a member can still come.
+        `joined`: this rank is inside join(); `idle`: it holds nothing else unfinished.
         """
         self.cycles += 1
         uncached = any(self._cached(name, spec) is None for name, spec, _ in pending)
+        if self.joined_ranks and not joined and any(
+                not self._joinable(spec, self.joined_ranks) for _, spec, _ in pending):
+            uncached = True  # rank 0 decides (an allgather's rows, or the error to raise)
         flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_SHUTDOWN if shutdown else 0)
                  | (FLAG_STALL_CHECK if stall_check else 0))
-        words = np.zeros(_HEADER_WORDS + (len(self._names_by_id) + 63) // 64, dtype=np.uint64)
+        n_ids = (len(self._names_by_id) + 63) // 64
+        base = _HEADER_WORDS + self._rank_words
+        words = np.zeros(base + 2 * n_ids, dtype=np.uint64)
         words[0] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
         words[1] = np.uint64(1 if flush else 0)
+        words[2] = np.uint64(1 if idle and not pending else 0)
+        # Joined ranks and the OR of pending bits travel inverted through the AND.
+        words[_HEADER_WORDS:base] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        if joined:
+            words[_HEADER_WORDS + self.rank // 64] ^= np.uint64(1 << (self.rank % 64))
+        mine = np.zeros(n_ids, dtype=np.uint64)
         for name, spec, _ in pending:
             entry = self._cached(name, spec)
             if entry is not None:
-                words[_HEADER_WORDS + entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
+                mine[entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
+        words[base + n_ids:] = ~mine
+        if joined:
+            for cache_id, name in enumerate(self._names_by_id):
+                if self._joinable(self._cache[name].spec, [self.rank]):
+                    mine[cache_id // 64] |= np.uint64(1 << (cache_id % 64))
+        words[base:base + n_ids] = mine
         self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
         outcome = Outcome(flush=bool(words[1]))
+        self._note_joined(~words[_HEADER_WORDS:base], outcome, all_idle=bool(words[2]))
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
             outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
             return outcome
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
-            return self._full_exchange(pending, outcome)
-        bits = np.unpackbits(words[_HEADER_WORDS:].view(np.uint8), bitorder="little")
+            return self._full_exchange(pending, outcome, joined)
+        # Ready: pending (or joined) on every rank, and really pending on at least one.
+        ready_bits = words[base:base + n_ids] & ~words[base + n_ids:]
+        bits = np.unpackbits(ready_bits.view(np.uint8), bitorder="little")
         for cache_id in np.flatnonzero(bits):
             name = self._names_by_id[int(cache_id)]
-            outcome.ready.append(Ready(name, self._cache[name].first_dims))
+            entry = self._cache[name]
+            outcome.ready.append(Ready(name, entry.first_dims, entry.spec))
         return outcome
 
-    def _full_exchange(self, pending, outcome: Outcome) -> Outcome:
+    @staticmethod
+    def _joinable(spec: TensorSpec, joined: Sequence[int]) -> bool:
+        """Whether `joined` ranks can take part in `spec` decided from the cache alone."""
+        return spec.kind in _JOINABLE_FROM_CACHE and not spec.compression and not (
+            spec.kind == "broadcast" and spec.root in joined)
+
+    def _note_joined(self, joined_words, outcome: Outcome, all_idle: bool) -> None:
+        bits = np.unpackbits(np.ascontiguousarray(joined_words).view(np.uint8),
+                             bitorder="little")
+        ranks = [int(r) for r in np.flatnonzero(bits[:self.size])]
+        for r in ranks:
+            self._joined_since.setdefault(r, self.cycles)
+        for r in list(self._joined_since):
+            if r not in ranks:
+                del self._joined_since[r]
+        self.joined_ranks = outcome.joined_ranks = ranks
+        if len(ranks) == self.size and all_idle:
+            latest = max(self._joined_since.values())
+            outcome.join_done = True
+            outcome.last_joined = max(r for r, c in self._joined_since.items() if c == latest)
+            self._joined_since.clear()
+            self.joined_ranks = []
+
+    def _full_exchange(self, pending, outcome: Outcome, joined: bool = False) -> Outcome:
         self.full_exchanges += 1
-        report = _Report(self.rank, list(pending))
+        report = _Report(self.rank, list(pending), joined)
         reports = self._comm.gather(report, root=0)
         decided = None
         if self.rank == 0:
@@ -245,9 +342,11 @@ class Negotiator:
         decided = self._comm.bcast(decided, root=0)
         specs = {name: spec for name, spec, _ in pending}
         for item in decided.ready:
-            if not is_cacheable(item.name):
+            # A decision that stood in for joined ranks (no rows from them) is not reused.
+            if not is_cacheable(item.name) or (outcome.joined_ranks
+                                                and item.spec.kind == "allgather"):
                 continue
-            spec = specs[item.name]
+            spec = specs.get(item.name, item.spec)
             entry = self._cache.get(item.name)
             if entry is None:
                 entry = _CacheEntry(len(self._names_by_id), spec, item.first_dims)
@@ -256,4 +355,6 @@ class Negotiator:
             else:  # same name, new spec agreed by every rank: keep the id
                 entry.spec, entry.first_dims = spec, item.first_dims
         decided.flush = outcome.flush
+        decided.joined_ranks = outcome.joined_ranks
+        decided.join_done, decided.last_joined = outcome.join_done, outcome.last_joined
         return decided

@@ -25,6 +25,7 @@ from . import _C
 from .config import Settings, settings
 from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from .negotiation import Negotiator, Ready, TensorSpec
+from .ops import ReduceOp, core_reduction
 from .scheduler import Entry, FusionScheduler
 from .timeline import Timeline
 
@@ -139,7 +140,13 @@ class Runtime:
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
         self._quiet_cycles = 0
+        self._join_request: Optional[Request] = None  # set while this rank is inside join()
         self._fusion_buffers: Dict[torch.dtype, torch.Tensor] = {}
+        # Collectives other than allreduce, one request at a time, in response order.
+        self._collectives: Dict[str, Callable[[List[Request]], None]] = {
+            "allgather": self._allgather, "broadcast": self._broadcast, "barrier": self._barrier,
+            "alltoall": self._alltoall, "reducescatter": self._reducescatter,
+        }
         self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
         self._thread.start()
 
@@ -245,13 +252,27 @@ class Runtime:
             self._shutdown_requested = True
             self._wakeup.notify()
         self._thread.join(timeout_s)
-        if self._timeline is not None:
-            self._timeline.close()
+        self.stop_timeline()
         for comm in (self._control_comm, self._data_comm):
             try:
                 comm.Free()
             except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
                 pass
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Record a Chrome-trace timeline to `path` from now on (written by rank 0 only);
+        a timeline already being recorded is closed first."""
+        if self.rank != 0:
+            return
+        old, self._timeline = self._timeline, Timeline(path, mark_cycles=mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        """Stop recording and close the timeline file (no-op when none is recorded)."""
+        old, self._timeline = self._timeline, None
+        if old is not None:
+            old.close()
 
     @property
     def alive(self) -> bool:
@@ -285,14 +306,18 @@ class Runtime:
                     shutdown = self._shutdown_requested
                     waiting = self._waiters > 0
                 for request in new:
-                    self._pending[request.name] = request
+                    if request.spec.kind == "join":
+                        self._join_request = request
+                    else:
+                        self._pending[request.name] = request
                 # Vote to release incomplete groups only when blocked with nothing of ours
                 # still to negotiate: then no further member can arrive from this rank.
                 flush = waiting and not self._pending
                 stall_check = self._stall_check_due(started)
                 outcome = self._negotiator.cycle(
                     [(r.name, r.spec, started - r.submitted_at) for r in self._pending.values()],
-                    flush=flush, shutdown=shutdown, stall_check=stall_check)
+                    flush=flush, shutdown=shutdown, stall_check=stall_check,
+                    joined=self._join_request is not None, idle=not self._scheduler.pending)
                 self.stats.cycles = self._negotiator.cycles
                 self.stats.full_exchanges = self._negotiator.full_exchanges
                 if outcome.shutdown_ranks:
@@ -309,25 +334,52 @@ class Runtime:
                     self._fail_everything(StallError(outcome.abort))
                     return
                 for name, message in outcome.errors.items():
-                    self._complete(self._pending.pop(name), TensorMismatchError(message))
+                    if name in self._pending:  # a joined rank has no request of its own
+                        self._complete(self._pending.pop(name), TensorMismatchError(message))
                 ready = []
                 for item in outcome.ready:
-                    request = self._pending.pop(item.name)
+                    request = self._pending.pop(item.name, None)
+                    if request is None:
+                        request = self._stand_in(item)
                     request.ready_info = item
                     ready.append(request)
-                if self._timeline is not None:
-                    self._timeline.mark("cycle")
+                timeline = self._timeline  # start/stop_timeline may swap it meanwhile
+                if timeline is not None:
+                    timeline.mark_cycle()
                     now = time.perf_counter()
                     for request in ready:
                         waited = time.monotonic() - request.submitted_at
-                        self._timeline.span(request.name, "negotiate", now - waited, now)
+                        timeline.span(request.name, "negotiate", now - waited, now)
                 self._execute(ready, outcome.flush)
+                if outcome.join_done and self._join_request is not None:
+                    self._join_request.payload = outcome.last_joined
+                    self._complete(self._join_request)
+                    self._join_request = None
                 busy = bool(self._pending or ready or self._scheduler.pending)
                 self._quiet_cycles = 0 if busy else self._quiet_cycles + 1
                 self._idle(started, cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
                                                   f"{self.rank}: {exc}"))
+
+    def _stand_in(self, item: Ready) -> Request:
+        """This joined rank's part in an operation it never submitted: zeros to reduce, no
+        rows to gather, a buffer to receive a broadcast into."""
+        spec = item.spec
+        if self._join_request is None or spec is None:
+            raise FusionRingError(f"'{item.name}' was agreed ready but this rank never "
+                                  f"submitted it")
+        dtype = getattr(torch, spec.dtype, torch.uint8)
+        shape = spec.shape
+        if spec.kind == "allgather":
+            shape = (0,) + tuple(spec.shape[1:]) if spec.shape else (0,)
+        tensor = torch.zeros(shape, dtype=dtype)
+        request = Request(item.name, spec, tensor, tensor, root=spec.root,
+                          submitted_at=time.monotonic())
+        if spec.kind == "allreduce":
+            request.core_op, request.prescale, request.postscale = core_reduction(
+                ReduceOp[spec.op], spec.prescale, spec.postscale, self.size)
+        return request
 
     def _stall_check_due(self, now: float) -> bool:
         warn = self.config.stall_warning_s
@@ -369,12 +421,9 @@ class Runtime:
             for batch in self._scheduler.schedule(reductions, flush=flush):
                 self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
         for request in ready:
-            if request.spec.kind == "allgather":
-                self._guarded([request], self._allgather)
-            elif request.spec.kind == "broadcast":
-                self._guarded([request], self._broadcast)
-            elif request.spec.kind == "barrier":
-                self._guarded([request], self._barrier)
+            run = self._collectives.get(request.spec.kind)
+            if run is not None:
+                self._guarded([request], run)
 
     def _guarded(self, requests: List[Request], run) -> None:
         try:
@@ -417,8 +466,9 @@ class Runtime:
                                 first.prescale, first.postscale,
                                 self.config.stall_shutdown_s or 0.0)
             self._count_batch(requests, total, None)
-            if self._timeline is not None:
-                self._timeline.span(lane, "reduce", t0, time.perf_counter(),
+            timeline = self._timeline
+            if timeline is not None:
+                timeline.span(lane, "reduce", t0, time.perf_counter(),
                                     {"tensors": len(requests), "bytes": total,
                                      "transport": "shared memory"})
             return
@@ -444,13 +494,14 @@ class Runtime:
         t3 = time.perf_counter()
         nbytes = buffer.numel() * buffer.element_size()
         self._count_batch(requests, nbytes, wire_bytes)
-        if self._timeline is not None:
+        timeline = self._timeline
+        if timeline is not None:
             args = {"tensors": len(requests), "bytes": nbytes}
             if len(requests) > 1:
-                self._timeline.span(lane, "pack", t0, t1, args)
-            self._timeline.span(lane, "reduce", t1, t2, args)
+                timeline.span(lane, "pack", t0, t1, args)
+            timeline.span(lane, "reduce", t1, t2, args)
             if len(requests) > 1:
-                self._timeline.span(lane, "unpack", t2, t3, args)
+                timeline.span(lane, "unpack", t2, t3, args)
 
     def _count_batch(self, requests: List[Request], nbytes: int, wire_bytes) -> None:
         self.stats.allreduce_batches += 1
@@ -477,6 +528,68 @@ class Runtime:
                                    [byte_view(output), counts, displacements, MPI.BYTE])
         request.output = output
         self.stats.bytes_sent += sum(counts)
+
+    def _alltoall(self, requests: List[Request]) -> None:
+        """Send rows of dim 0 to each rank as this rank's splits say; receive the peers'.
+
+        Ranks first swap their split counts, so each learns how many rows every peer sends
+        it; `payload["received_splits"]` keeps them for the caller.
+        """
+        request = requests[0]
+        MPI = self._MPI
+        tensor = request.tensor
+        sent_rows = [int(n) for n in request.payload["splits"]]
+        received_rows = [int(n) for n in self._data_comm.alltoall(sent_rows)]
+        rest = tuple(tensor.shape[1:])
+        row_bytes = tensor.element_size()
+        for d in rest:
+            row_bytes *= d
+        output = torch.empty((sum(received_rows),) + rest, dtype=tensor.dtype)
+        send_counts = [n * row_bytes for n in sent_rows]
+        recv_counts = [n * row_bytes for n in received_rows]
+        self._data_comm.Alltoallv(
+            [byte_view(tensor), send_counts,
+             list(itertools.accumulate([0] + send_counts[:-1])), MPI.BYTE],
+            [byte_view(output), recv_counts,
+             list(itertools.accumulate([0] + recv_counts[:-1])), MPI.BYTE])
+        request.output = output
+        request.payload["received_splits"] = received_rows
+        self.stats.bytes_sent += sum(send_counts) - send_counts[self.rank]
+
+    def _reducescatter(self, requests: List[Request]) -> None:
+        """Reduce over all ranks; this rank keeps its block of dim 0.
+
+        Blocks follow Horovod: dim 0 // size rows each, and the first dim 0 % size ranks
+        one row more. MPI has no float16/bfloat16 type, so those are widened to float32
+        here, reduced and scaled there, and rounded back once at the end.
+        """
+        request = requests[0]
+        MPI = self._MPI
+        tensor = request.tensor
+        base, extra = divmod(tensor.shape[0], self.size)
+        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
+        rest = tuple(tensor.shape[1:])
+        row_numel = 1
+        for d in rest:
+            row_numel *= d
+        output = torch.empty((rows[self.rank],) + rest, dtype=tensor.dtype)
+        wide = tensor.dtype in (torch.float16, torch.bfloat16)
+        send = tensor.float() if wide else tensor
+        received = torch.empty(output.shape, dtype=torch.float32) if wide else output
+        code = DTYPE_CODES[send.dtype]
+        if request.prescale != 1.0:
+            if send is tensor:  # `tensor` may be the caller's memory: scale a copy
+                send = tensor.clone()
+            _C.scale(send.data_ptr(), send.numel(), code, request.prescale)
+        # request.core_op holds the core's op code (fusionring.ops.core_reduction).
+        mpi_op = {0: MPI.SUM, 1: MPI.MIN, 2: MPI.MAX, 3: MPI.PROD}[request.core_op]
+        self._data_comm.Reduce_scatter(send.reshape(-1).numpy(), received.reshape(-1).numpy(),
+                                       [n * row_numel for n in rows], op=mpi_op)
+        _C.scale(received.data_ptr(), received.numel(), code, request.postscale)
+        if wide:
+            output.copy_(received)
+        request.output = output
+        self.stats.bytes_sent += request.nbytes * (self.size - 1) // max(self.size, 1)
 
     def _broadcast(self, requests: List[Request]) -> None:
         request = requests[0]

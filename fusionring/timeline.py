@@ -11,7 +11,8 @@ from typing import Dict, Optional
 class Timeline:
     """Streams trace events to a JSON file; written by rank 0 only."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, mark_cycles: bool = True) -> None:
+        self.mark_cycles = mark_cycles
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "w")
         self._file.write("[\n")
@@ -51,6 +52,11 @@ class Timeline:
         """An instant marker across the whole trace (e.g. one per cycle)."""
         self._emit({"name": name, "ph": "i", "s": "g", "pid": 0, "tid": 0,
                     "ts": self._us(time.perf_counter() if when is None else when)})
+
+    def mark_cycle(self) -> None:
+        """The per-cycle marker, when this timeline records cycles."""
+        if self.mark_cycles:
+            self.mark("cycle")
 
     def close(self) -> None:
         with self._lock:

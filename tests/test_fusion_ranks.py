@@ -70,6 +70,35 @@ def test_timeline_has_a_span_per_group_and_phase(tmp_path):
     assert any(lane.startswith("group of") for lane in lanes)
 
 
+START_STOP_TIMELINE = r'''
+import sys
+import torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(4), name="before")
+hvd.start_timeline(sys.argv[1] if len(sys.argv) > 1 else "tl.json", mark_cycles=True)
+hvd.allreduce(torch.ones(4), name="during")
+hvd.stop_timeline()
+hvd.allreduce(torch.ones(4), name="after")
+hvd.start_timeline("tl2.json")  # a second recording, without cycle marks
+hvd.allreduce(torch.ones(4), name="second")
+hvd.barrier()
+hvd.stop_timeline()
+report({"ok": True})
+'''
+
+
+def test_start_and_stop_timeline(tmp_path):
+    run_ranks(2, START_STOP_TIMELINE, tmp_path, timeout=60)
+    events = json.loads((tmp_path / "tl.json").read_text())
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert "allreduce.during" in lanes and not lanes & {"allreduce.before", "allreduce.after"}
+    assert any(e["name"] == "cycle" for e in events)
+    second = json.loads((tmp_path / "tl2.json").read_text())
+    assert "allreduce.second" in {e["args"]["name"] for e in second if e.get("ph") == "M"}
+    assert not any(e["name"] == "cycle" for e in second)
+
+
 DIFFERENT_PLANS = r'''
 import torch
 import fusionring.torch as hvd

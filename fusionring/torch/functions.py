@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import numbers
 import pickle
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -18,6 +19,7 @@ import torch
 from .. import runtime as _rt
 from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
+from ..process_sets import check_process_set
 from ..ops import ReduceOp, core_reduction, resolve_op
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -99,6 +101,18 @@ def gloo_built() -> bool:
 
 def nccl_built() -> int:
     return 0
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
 
 
 def cuda_built() -> bool:
@@ -244,6 +258,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = No
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set=None) -> int:
     """Start an allreduce of `tensor` into a new tensor; returns a handle."""
+    check_process_set(process_set, "allreduce_async()")
     request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
                                  in_place=False)
     device = tensor.device
@@ -261,6 +276,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
 
     `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
     """
+    check_process_set(process_set, "allreduce_async_()")
     request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
                                  in_place=True, compression=compression)
     return _register(_submit([request]), _finish_into([tensor], single=True))
@@ -290,6 +306,7 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     op: Average (default), Sum, Min, Max or Product. `compression` encodes the tensor
     for the wire (Compression.fp16 sends float16).
     """
+    check_process_set(process_set, "allreduce()")
     reduce_op = resolve_op(op, average)
     if getattr(compression, "in_runtime", False):  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
@@ -319,6 +336,7 @@ def allreduce_(tensor: torch.Tensor, average=None, name: Optional[str] = None, o
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> torch.Tensor:
     """In-place allreduce; returns `tensor`."""
+    check_process_set(process_set, "allreduce_()")
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor))
 
@@ -333,6 +351,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
                             name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set=None) -> int:
     """Start an allreduce of several tensors as one operation; returns one handle."""
+    check_process_set(process_set, "grouped_allreduce_async()")
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, False)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
     devices = [t.device for t in tensors]
@@ -347,6 +366,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                              name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set=None) -> int:
     """Start an in-place allreduce of several tensors; returns one handle."""
+    check_process_set(process_set, "grouped_allreduce_async_()")
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
@@ -356,6 +376,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
                       compression=Compression.none, op=None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results."""
+    check_process_set(process_set, "grouped_allreduce()")
     if getattr(compression, "in_runtime", False):
         handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
                                     postscale_factor, compression=compression)
@@ -371,20 +392,26 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
                        op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set=None) -> List[torch.Tensor]:
     """In-place allreduce of several tensors."""
+    check_process_set(process_set, "grouped_allreduce_()")
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor))
 
 
 # ---------------------------------------------------------------------- allgather
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
-    """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
-    runtime = _rt.get("allgather")
+def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> _rt.Request:
+    _rt.get("allgather")
     full = _full_name("allgather", name)
     host = _host(tensor, name or full)
     if host.dim() == 0:
         host = host.reshape(1)
     spec = TensorSpec("allgather", _rt.dtype_name(tensor.dtype), tuple(host.shape))
-    request = _rt.Request(full, spec, host, None)
+    return _rt.Request(full, spec, host, None)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
+    """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
+    check_process_set(process_set, "allgather_async()")
+    request = _allgather_request(tensor, name)
     device = tensor.device
 
     def finish(requests):
@@ -409,7 +436,279 @@ class _AllgatherFunction(torch.autograd.Function):
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0 (differentiable)."""
+    check_process_set(process_set, "allgather()")
     return _AllgatherFunction.apply(tensor, name)
+
+
+def _outputs_on(devices: Sequence[torch.device], single: bool):
+    """Result finisher: each request's output, moved back to its input's device."""
+
+    def finish(requests: List[_rt.Request]):
+        outputs = [r.output.to(d) if d.type != "cpu" else r.output
+                   for r, d in zip(requests, devices)]
+        return outputs[0] if single else outputs
+
+    return finish
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set=None) -> int:
+    """Start gathering several tensors (each along dim 0) as one operation; one handle.
+
+    synchronize(handle) returns the list of gathered tensors, in the order of `tensors`.
+    """
+    check_process_set(process_set, "grouped_allgather_async()")
+    tensors = list(tensors)
+    requests = [_allgather_request(t, n) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
+
+
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        return tuple(synchronize(grouped_allgather_async(tensors, name=name)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64)))
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs],
+                                                      op=Sum))
+        offsets = dims[: rank()].sum(dim=0).tolist()
+        grads = [g.narrow(0, int(o), d).reshape(s)
+                 for g, o, d, s in zip(reduced, offsets, ctx.dims, ctx.shapes)]
+        return (None, *grads)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set=None) -> List[torch.Tensor]:
+    """Allgather several tensors together (dim 0 may differ per rank); differentiable."""
+    check_process_set(process_set, "grouped_allgather()")
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return list(_GroupedAllgatherFunction.apply(name, *tensors))
+
+
+# ---------------------------------------------------------------------- alltoall
+def _described(kind: str, name: Optional[str]) -> str:
+    """How error messages name an operation before it has a (possibly generated) name."""
+    return f"{kind} '{name}'" if name is not None else f"{kind} of an unnamed tensor"
+
+
+def _alltoall_splits(splits, rows: int, size: int, what: str) -> List[int]:
+    """How many rows of dim 0 go to each rank; ValueError (naming the tensor) when invalid."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{what}: the first dimension ({rows}) does not split evenly among "
+                             f"{size} ranks; pass splits to say how many rows go to each rank")
+        return [rows // size] * size
+    if isinstance(splits, torch.Tensor):
+        if (splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype.is_complex
+                or splits.dtype == torch.bool):
+            raise ValueError(f"{what}: splits must be a 1-D integer tensor, not a "
+                             f"{splits.dim()}-D {_rt.dtype_name(splits.dtype)} tensor")
+        values = [int(v) for v in splits.tolist()]
+    else:
+        try:
+            values = list(splits)
+        except TypeError:
+            raise ValueError(f"{what}: splits must be a list or 1-D tensor of integers, not "
+                             f"{type(splits).__name__}") from None
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{what}: splits must hold integers, got {values!r}")
+        values = [int(v) for v in values]
+    if len(values) != size:
+        raise ValueError(f"{what}: splits has {len(values)} entries; it needs one per rank "
+                         f"({size})")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{what}: splits {values} has a negative entry")
+    if sum(values) != rows:
+        raise ValueError(f"{what}: splits {values} sum to {sum(values)}, but the first "
+                         f"dimension is {rows}")
+    return values
+
+
+def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> _rt.Request:
+    runtime = _rt.get("alltoall")
+    what = _described("alltoall", name)
+    # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
+    host = _host(tensor, name if name is not None else "(unnamed)")
+    if host.dim() == 0:
+        raise ValueError(f"{what}: a 0-d tensor has no first dimension to split")
+    sent = _alltoall_splits(splits, host.shape[0], runtime.size, what)
+    spec = TensorSpec("alltoall", _rt.dtype_name(tensor.dtype), tuple(host.shape))
+    return _rt.Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent})
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
+                   process_set=None) -> int:
+    """Start an alltoall; synchronize(handle) returns (output, received_splits).
+
+    received_splits is int32 on the CPU, or has the dtype and device of `splits` when
+    that is a tensor (as in Horovod).
+    """
+    check_process_set(process_set, "alltoall_async()")
+    request = _alltoall_request(tensor, splits, name)
+    device = tensor.device
+    like = splits if isinstance(splits, torch.Tensor) else None
+
+    def finish(requests):
+        done = requests[0]
+        output = done.output.to(device) if device.type != "cpu" else done.output
+        received = torch.tensor(done.payload["received_splits"],
+                                dtype=like.dtype if like is not None else torch.int32,
+                                device=like.device if like is not None else "cpu")
+        return output, received
+
+    return _register(_submit([request]), finish)
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        output, received = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received = received.tolist()
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *unused):
+        # The rows came back along the way they went: send each gradient row home.
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), splits=ctx.received))
+        return grad, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
+             process_set=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Send `splits[i]` rows of `tensor` (dim 0, in order) to rank i; differentiable.
+
+    Without splits dim 0 is split evenly (it must divide by size()). Returns the rows
+    received from every rank, concatenated in rank order; when `splits` is given, returns
+    (output, received_splits) as Horovod does. Other dimensions must agree across ranks.
+    """
+    check_process_set(process_set, "alltoall()")
+    return _AlltoallFunction.apply(tensor, splits, name)
+
+
+# ---------------------------------------------------------------------- reducescatter
+def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
+                           prescale_factor: float, postscale_factor: float) -> _rt.Request:
+    runtime = _rt.get("reducescatter")
+    what = _described("reducescatter", name)
+    reduce_op = resolve_op(op)
+    host = _host(tensor, name if name is not None else "(unnamed)")
+    if host.dim() == 0:
+        raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
+    core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
+    spec = TensorSpec("reducescatter", _rt.dtype_name(tensor.dtype), tuple(host.shape),
+                      op=reduce_op.name, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor))
+    return _rt.Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
+                       prescale=pre, postscale=post)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op=Average,
+                        process_set=None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter of `tensor`; synchronize(handle) returns this rank's block."""
+    check_process_set(process_set, "reducescatter_async()")
+    request = _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor)
+    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op=Average, process_set=None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter of several tensors as one operation; returns one handle."""
+    check_process_set(process_set, "grouped_reducescatter_async()")
+    tensors = list(tensors)
+    requests = [_reducescatter_request(t, n, op, prescale_factor, postscale_factor)
+                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
+
+
+def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
+                         scales: Tuple[float, float]) -> List[torch.Tensor]:
+    """Input gradients of a reducescatter: every rank's output gradient, gathered back."""
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise RuntimeError(f"reducescatter is differentiable with op=Sum or Average, not "
+                           f"{op.name}")
+    _, pre, post = core_reduction(op, scales[0], scales[1], size())
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads]))
+    factor = pre * post
+    return [g * factor if factor != 1.0 else g for g in gathered]
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor=prescale_factor,
+                                               postscale_factor=postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reducescatter_grads([grad_output], ctx.op, ctx.scales)[0], None, None, None, None
+
+
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(
+            tensors, name, op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None, None, None, *_reducescatter_grads(grad_outputs, ctx.op, ctx.scales))
+
+
+def _wire_form(compression, tensor: torch.Tensor, kind: str):
+    """Apply a Horovod-style compressor; those that reduce inside the runtime do not fit."""
+    if getattr(compression, "in_runtime", False):
+        raise ValueError(f"{kind} takes Compression.none or Compression.fp16; "
+                         f"{compression!r} reduces inside the allreduce only")
+    payload, ctx = compression.compress(tensor)
+    if not isinstance(payload, torch.Tensor):
+        raise ValueError(f"{kind}: the compressor must encode a tensor as a single tensor")
+    return payload, ctx
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce `tensor` over all ranks and return this rank's block of dim 0 (differentiable).
+
+    Rank r gets dim0 // size() rows, plus one for the first dim0 % size() ranks.
+    op: Average (default), Sum, Min, Max or Product (gradients for Sum and Average).
+    """
+    check_process_set(process_set, "reducescatter()")
+    reduce_op = resolve_op(op)
+    payload, ctx = _wire_form(compression, tensor, "reducescatter")
+    reduced = _ReducescatterFunction.apply(payload, name, reduce_op, prescale_factor,
+                                           postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression=Compression.none, op=Average, process_set=None,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter several tensors together; returns this rank's block of each."""
+    check_process_set(process_set, "grouped_reducescatter()")
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    reduce_op = resolve_op(op)
+    encoded = [_wire_form(compression, t, "grouped_reducescatter") for t in tensors]
+    reduced = _GroupedReducescatterFunction.apply(name, reduce_op, prescale_factor,
+                                                  postscale_factor, *[e[0] for e in encoded])
+    return [compression.decompress(r, e[1]) for r, e in zip(reduced, encoded)]
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -429,6 +728,7 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set=None) -> int:
     """Start broadcasting root's `tensor` into a new tensor on every rank."""
+    check_process_set(process_set, "broadcast_async()")
     request = _broadcast_request(tensor, root_rank, name, in_place=False)
     device = tensor.device
 
@@ -441,6 +741,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set=None) -> int:
     """Start broadcasting root's `tensor` into `tensor` on every rank."""
+    check_process_set(process_set, "broadcast_async_()")
     request = _broadcast_request(tensor, root_rank, name, in_place=True)
     return _register(_submit([request]), _finish_into([tensor], single=True))
 
@@ -462,12 +763,14 @@ class _BroadcastFunction(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set=None) -> torch.Tensor:
     """Return root's `tensor` on every rank (differentiable)."""
+    check_process_set(process_set, "broadcast()")
     return _BroadcastFunction.apply(tensor, root_rank, name)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
+    check_process_set(process_set, "broadcast_()")
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
@@ -540,7 +843,36 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
 # ---------------------------------------------------------------------- barrier
 def barrier(process_set=None) -> None:
     """Block until every rank reaches the barrier."""
+    check_process_set(process_set, "barrier()")
     runtime = _rt.get("barrier()")
     request = _rt.Request("barrier", TensorSpec("barrier", "none", ()),
                           torch.empty(0, dtype=torch.uint8), None)
     synchronize(_register([runtime.submit(request)], lambda requests: None))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; returns the rank that joined last.
+
+    Blocks until every rank has joined. Until then this rank takes part in the others'
+    allreduces with zeros (Average still divides by size()), in their allgathers with no
+    rows, and in their broadcasts and barriers, so ranks with uneven amounts of data do
+    not hang. `device` is accepted for Horovod compatibility (tensors stay on the host).
+    """
+    runtime = _rt.get("join()")
+    request = _rt.Request("join", TensorSpec("join", "none", ()),
+                          torch.empty(0, dtype=torch.uint8), None)
+    return int(runtime.wait(runtime.submit(request)).payload)
+
+
+# ---------------------------------------------------------------------- timeline
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Chrome-trace timeline to `file_path` (rank 0 writes it).
+
+    Same file format as ``FUSIONRING_TIMELINE``; `mark_cycles` adds a marker per cycle.
+    """
+    _rt.get("start_timeline()").start_timeline(file_path, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file."""
+    _rt.get("stop_timeline()").stop_timeline()

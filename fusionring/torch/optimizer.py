@@ -21,6 +21,7 @@ from .. import runtime as _rt
 from ..compression import Compression
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
+from ..process_sets import check_process_set
 from . import functions as F
 
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -61,16 +62,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Arguments follow Horovod's: `compression` (e.g. Compression.fp16),
     `backward_passes_per_step` (local accumulation), `op` (Average, Sum, ...),
     `gradient_predivide_factor` (split the averaging before/after the sum), `groups`
-    (explicit fusion groups: an int or lists of parameters) and `grouping_plan` (a plan
-    made by ``fusionring plan``: a path or a Plan, fusing gradients in balanced groups).
+    (explicit fusion groups: an int or lists of parameters; `num_groups` is its older
+    name) and `grouping_plan` (a plan made by ``fusionring plan``: a path or a Plan,
+    fusing gradients in balanced groups). `process_set` may only be the global set.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  compression=Compression.none, backward_passes_per_step: int = 1,
                  op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
-                 grouping_plan=None, sparse_as_dense: bool = False) -> None:
+                 grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
+                 process_set=None) -> None:
         runtime = _rt.get("DistributedOptimizer")
+        check_process_set(process_set, "DistributedOptimizer")
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
+                          DeprecationWarning, stacklevel=2)
+            if groups is None:
+                groups = num_groups
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
                             f"{type(optimizer).__name__}")

@@ -1,0 +1,165 @@
+"""hvd.join() with uneven data, the global process set and num_groups, at several ranks."""
+import pytest
+
+from conftest import run_ranks
+
+JOIN = r'''
+import itertools
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+
+# Allreduce while one rank has joined: it contributes zeros, Average divides by size().
+for dtype, first, cached in itertools.product([torch.float32, torch.int32, torch.float16],
+                                              [0, P - 1], [False, True]):
+    torch.manual_seed(1234)
+    a = torch.randint(-100, 100, (5, 5)).to(dtype)
+    b = torch.randint(-100, 100, (17,)).to(dtype)
+    key = f"{dtype}-{first}-{cached}"
+    if cached:  # the names are known from an earlier step: the cached path
+        hvd.synchronize(hvd.allreduce_async(a, name="ja", op=hvd.Sum))
+        hvd.synchronize(hvd.allreduce_async(b, name="jb", op=hvd.Sum))
+    if r == first:
+        last = hvd.join()
+    else:
+        ha = hvd.allreduce_async(a, name="ja", op=hvd.Sum)
+        hb = hvd.allreduce_async(b, name="jb", op=hvd.Sum)
+        sa, sb = hvd.synchronize(ha), hvd.synchronize(hb)
+        avg = hvd.allreduce(a.double(), name="javg")  # Average over all P ranks
+        out["sum " + key] = (torch.equal(sa, a * (P - 1)) and torch.equal(sb, b * (P - 1)))
+        out["avg " + key] = torch.allclose(avg, a.double() * (P - 1) / P)
+        last = hvd.join()
+    out["last " + key] = last != first and 0 <= last < P
+
+# Uneven data through the DistributedOptimizer: rank r trains r + 1 steps, then joins.
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+for step in range(r + 1):
+    opt.zero_grad()
+    x = torch.full((3, 4), float(r + step))
+    model(x).sum().backward()
+    opt.step()
+out["optimizer last"] = hvd.join()
+out["weights"] = model.weight.detach().flatten().tolist()
+
+# Allgather: the joined rank contributes no rows.
+if r == 0:
+    hvd.join()
+else:
+    g = hvd.allgather(torch.full((r, 2), float(r)), name="jg")
+    out["allgather"] = torch.equal(g, torch.cat([torch.full((k, 2), float(k))
+                                                 for k in range(1, P)]))
+    hvd.join()
+# ...and the same name later, with every rank taking part, is not confused by it.
+g = hvd.allgather(torch.full((r + 1, 2), float(r)), name="jg")
+out["allgather after"] = torch.equal(g, torch.cat([torch.full((k + 1, 2), float(k))
+                                                   for k in range(P)]))
+
+# Broadcast from a rank that has not joined reaches the joined one; a joined root errors.
+hvd.broadcast(torch.zeros(2), root_rank=1, name="jbc_root")
+if r == 1:
+    hvd.join()
+else:
+    t = hvd.broadcast(torch.arange(4.0) + r, root_rank=0, name="jbc")
+    out["broadcast"] = torch.equal(t, torch.arange(4.0))
+    try:  # a name every rank used before: the cached path must not send the root's zeros
+        hvd.broadcast(torch.zeros(2), root_rank=1, name="jbc_root")
+        out["joined root"] = "no error"
+    except Exception as exc:
+        out["joined root"] = str(exc)
+    hvd.join()
+
+# Still usable afterwards.
+out["after"] = hvd.allreduce(torch.ones(3) * r, op=hvd.Sum, name="after").tolist()
+report(out)
+'''
+
+
+def _expected_weights(P, steps):
+    """Single-process reference: each step averages the gradients of the ranks still training
+    (a joined rank counts as zeros) over all P ranks; `steps` is how many steps a rank took."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    for step in range(steps):
+        grads = []
+        for r in range(P):
+            if step > r:
+                grads.append(None)  # joined: zeros
+                continue
+            model.zero_grad()
+            model(torch.full((3, 4), float(r + step))).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                total = sum(g[i] for g in grads if g is not None)
+                p -= 0.1 * total / P
+    return model.weight.detach().flatten().tolist()
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_join(tmp_path, np_):
+    results = run_ranks(np_, JOIN, tmp_path, timeout=120)
+    for r, out in enumerate(results):
+        for key, value in out.items():
+            if key.startswith(("sum ", "avg ", "last ", "allgather", "broadcast")):
+                assert value is True, (r, key)
+        # Each rank reduced in the cases where another rank joined first (3 dtypes x 2 x 2).
+        assert sum(k.startswith("sum ") for k in out) == 12 - 6 * (r in (0, np_ - 1))
+        assert ("allgather" in out) == (r != 0) and ("broadcast" in out) == (r != 1)
+        assert out["optimizer last"] == np_ - 1  # the rank with the most data joins last
+        # A rank's weights stop changing when it joins.
+        assert out["weights"] == pytest.approx(_expected_weights(np_, r + 1), rel=1e-5, abs=1e-6)
+        if r != 1:
+            assert "root rank 1 has called join()" in out["joined root"]
+        assert out["after"] == [float(sum(range(np_)))] * 3
+
+
+PROCESS_SETS = r'''
+import warnings
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+gs = hvd.global_process_set
+out["global"] = [gs.ranks, gs.size(), gs.rank(), gs.included()]
+out["allreduce"] = hvd.allreduce(torch.ones(2) * r, op=hvd.Sum, process_set=gs).tolist()
+try:
+    hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
+    out["subset"] = "no error"
+except NotImplementedError as exc:
+    out["subset"] = str(exc)
+out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after").item()
+
+# num_groups: Horovod's older name for an int `groups`.
+model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), num_groups=2,
+                                   process_set=gs)
+out["deprecated"] = any(issubclass(w.category, DeprecationWarning) for w in caught)
+model(torch.full((2, 3), float(r))).sum().backward()
+opt.step()
+out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+report(out)
+'''
+
+
+def test_global_process_set_and_num_groups(tmp_path):
+    results = run_ranks(2, PROCESS_SETS, tmp_path, timeout=60)
+    for r, out in enumerate(results):
+        assert out["global"] == [[0, 1], 2, r, True]
+        assert out["allreduce"] == [1.0, 1.0]
+        assert "process set with ranks [0]" in out["subset"] and "all 2 ranks" in out["subset"]
+        assert out["after"] == 2.0
+        assert out["deprecated"] is True
+        assert out["params"] == results[0]["params"]  # averaged gradients: identical models
