@@ -472,8 +472,11 @@ class Runtime:
                                     {"tensors": len(requests), "bytes": total,
                                      "transport": "shared memory"})
             return
+        contiguous = _contiguous_view(requests)
         if len(requests) == 1:
             buffer = first.output
+        elif contiguous is not None:  # already laid out as one buffer (a plan's group)
+            buffer = contiguous
         else:
             buffer = self._fusion_buffer(first.output.dtype,
                                          sum(r.output.numel() for r in requests))
@@ -488,7 +491,7 @@ class Runtime:
                                  first.prescale, first.postscale, self.config.ring_segment_bytes,
                                  self.config.small_message_bytes)
         t2 = time.perf_counter()
-        if len(requests) > 1:
+        if len(requests) > 1 and contiguous is None:
             _C.unpack(buffer.data_ptr(), [r.output.data_ptr() for r in requests],
                       [r.nbytes for r in requests])
         t3 = time.perf_counter()
@@ -497,10 +500,11 @@ class Runtime:
         timeline = self._timeline
         if timeline is not None:
             args = {"tensors": len(requests), "bytes": nbytes}
-            if len(requests) > 1:
+            copies = len(requests) > 1 and contiguous is None
+            if copies:
                 timeline.span(lane, "pack", t0, t1, args)
             timeline.span(lane, "reduce", t1, t2, args)
-            if len(requests) > 1:
+            if copies:
                 timeline.span(lane, "unpack", t2, t3, args)
 
     def _count_batch(self, requests: List[Request], nbytes: int, wire_bytes) -> None:
@@ -599,6 +603,22 @@ class Runtime:
 
     def _barrier(self, requests: List[Request]) -> None:
         self._data_comm.Barrier()
+
+
+def _contiguous_view(requests: List[Request]) -> Optional[torch.Tensor]:
+    """One tensor over the requests' outputs when they lie back to back, in order, in
+    one storage (so the reduction needs no pack or unpack); else None."""
+    first = requests[0].output
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for request in requests:
+        out = request.output
+        if (out.dtype != first.dtype or out.data_ptr() != end or not out.is_contiguous()
+                or out.untyped_storage().data_ptr() != storage):
+            return None
+        end += request.nbytes
+    numel = sum(r.output.numel() for r in requests)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
 def _usable_cores() -> List[int]:

@@ -60,14 +60,23 @@ def test_plan_groups_are_fused_as_planned_and_reproducible(tmp_path):
 
 
 def test_timeline_has_a_span_per_group_and_phase(tmp_path):
-    path = tmp_path / "timeline.json"
-    _train(2, 8192, tmp_path, env={"FUSIONRING_TIMELINE": str(path)})
+    # Threshold fusion packs whatever is ready into a buffer and unpacks it afterwards.
+    path = tmp_path / "threshold.json"
+    _train(2, 0, tmp_path / "threshold", env={"FUSIONRING_TIMELINE": str(path),
+                                              "FUSIONRING_SHARED_MEMORY": "off"})
     events = json.loads(path.read_text())
     phases = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"negotiate", "pack", "reduce", "unpack"} <= phases
     assert any(e["name"] == "cycle" and e["ph"] == "i" for e in events)
-    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
-    assert any(lane.startswith("group of") for lane in lanes)
+    # A plan's gradients already live in their group's buffer: reduced where they lie.
+    path = tmp_path / "plan.json"
+    _train(2, 8192, tmp_path / "plan", env={"FUSIONRING_TIMELINE": str(path),
+                                            "FUSIONRING_SHARED_MEMORY": "off"})
+    events = json.loads(path.read_text())
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    group_phases = {e["name"] for e in events
+                    if e.get("ph") == "X" and lanes[e["tid"]].startswith("group of")}
+    assert group_phases == {"reduce"}
 
 
 START_STOP_TIMELINE = r'''
@@ -130,3 +139,46 @@ def test_plan_not_matching_the_model_lists_the_parameters(tmp_path):
     with pytest.raises(PlanMismatchError) as info:
         plan.check_model(other)
     assert "0.weight" in str(info.value) and "1.weight" in str(info.value)
+
+
+GRAD_VIEWS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring.plan import make_plan
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+out = {}
+for planned in (True, False):
+    model = build()
+    plan = make_plan(build(), torch.randn(2, 8), buffer_bytes=1024) if planned else None
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   grouping_plan=plan, backward_passes_per_step=2)
+    g = torch.Generator().manual_seed(7 + r)
+    for step in range(3):
+        opt.zero_grad(set_to_none=(step == 0))  # later steps accumulate into the same tensors
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+    key = "plan" if planned else "threshold"
+    out[key] = [p.detach().flatten().tolist() for p in model.parameters()]
+    if planned:
+        storages = {}
+        for group in plan.groups:
+            ptrs = {dict(model.named_parameters())[n].grad.untyped_storage().data_ptr()
+                    for n in group}
+            storages[len(storages)] = len(ptrs)
+        out["one storage per group"] = all(v == 1 for v in storages.values())
+        out["groups"] = len(plan.groups)
+report(out)
+'''
+
+
+def test_plan_gradients_live_in_their_group_buffer(tmp_path):
+    for out in run_ranks(2, GRAD_VIEWS, tmp_path, timeout=60):
+        assert out["groups"] >= 2 and out["one storage per group"] is True
+        for a, b in zip(out["plan"], out["threshold"]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)

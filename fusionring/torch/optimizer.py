@@ -113,6 +113,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._slowdown = settings().slowdown_factor
         self._size = runtime.size
         fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
+        # Known groups let each gradient live in its group's fusion buffer, as DDP's
+        # gradient_as_bucket_view does: no pack/unpack copies around the reduction.
+        self._grad_views: Dict[torch.Tensor, torch.Tensor] = {}
+        if fusion_groups is not None and self._compression is Compression.none:
+            self._grad_views = self._group_buffers(fusion_groups)
         if self._size > 1:
             if fusion_groups is not None:
                 runtime.set_fusion_groups(fusion_groups)
@@ -157,12 +162,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return tensor_groups_from_plan(
             plan, lambda n: f"allreduce.{n}" if n in by_name and by_name[n] in updated else None)
 
+    def _group_buffers(self, fusion_groups: List[List[str]]) -> Dict[torch.Tensor, torch.Tensor]:
+        """One flat buffer per group and dtype; each parameter gets a view of its slice, in
+        the group's order (the order the runtime fuses them in)."""
+        by_name = {f"allreduce.{name}": p for p, name in self._parameter_names.items()}
+        views: Dict[torch.Tensor, torch.Tensor] = {}
+        for group in fusion_groups:
+            params = [by_name[n] for n in group if n in by_name]
+            for dtype in dict.fromkeys(p.dtype for p in params):
+                members = [p for p in params if p.dtype == dtype and p.device.type == "cpu"
+                           and p.layout == torch.strided]
+                flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype)
+                offset = 0
+                for p in members:
+                    views[p] = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        return views
+
+    def _into_group_buffer(self, p: torch.Tensor) -> None:
+        view = self._grad_views.get(p)
+        grad = p.grad
+        if (view is None or grad is None or grad.data_ptr() == view.data_ptr()
+                or grad.layout != torch.strided or grad.shape != view.shape
+                or grad.dtype != view.dtype):
+            return
+        with torch.no_grad():
+            view.copy_(grad)
+        p.grad = view  # later backwards accumulate into the buffer in place
+
     def _register_hooks(self) -> None:
         for p in self._requires_update:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ gradient flow
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._into_group_buffer(p)
         if p in self._handles and self._handles[p][0] is not None:
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY_BACKWARDS)
@@ -204,6 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # Unused on this rank: send zeros so ranks that did use it do not hang.
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                self._into_group_buffer(p)
                 self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in list(self._handles.items()):
             if handle is None:
