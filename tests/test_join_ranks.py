@@ -1,5 +1,6 @@
 """hvd.join() with uneven data, the global process set and num_groups, at several ranks."""
 import pytest
+import torch
 
 from conftest import run_ranks
 
@@ -163,3 +164,71 @@ def test_global_process_set_and_num_groups(tmp_path):
         assert out["after"] == 2.0
         assert out["deprecated"] is True
         assert out["params"] == results[0]["params"]  # averaged gradients: identical models
+
+
+SPARSE = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+# sparse_allreduce_async: rank r contributes rows r and r + 1 (overlapping across ranks).
+dense = torch.zeros(6, 3)
+dense[r] = r + 1.0
+dense[r + 1] = 10.0 * (r + 1)
+h = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp", op=hvd.Sum)
+out["sum"] = hvd.synchronize(h).to_dense().tolist()
+h = hvd.sparse_allreduce_async(dense.to_sparse(), op=hvd.Average)
+out["avg"] = hvd.synchronize(h).to_dense().tolist()
+
+# An embedding with sparse gradients trained with SparseAdam: gradients stay sparse, with
+# and without sparse_as_dense.
+for mode in ("sparse", "as_dense"):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    base = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(base, named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=(mode == "as_dense"))
+    for step in range(3):
+        opt.zero_grad()
+        idx = torch.tensor([(r + step) % 10, (2 * r + step + 3) % 10])
+        emb(idx).pow(2).sum().backward()
+        opt.step()
+        out[f"{mode} grad sparse"] = emb.weight.grad.is_sparse
+    out[mode] = emb.weight.detach().flatten().tolist()
+report(out)
+'''
+
+
+def _sparse_reference(P):
+    """Single process: SparseAdam on the average of every rank's sparse gradient."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    for step in range(3):
+        grads = []
+        for r in range(P):
+            emb.zero_grad()
+            emb(torch.tensor([(r + step) % 10, (2 * r + step + 3) % 10])).pow(2).sum().backward()
+            grads.append(emb.weight.grad.clone())
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        emb.weight.grad = (total / P).coalesce()
+        opt.step()
+    return emb.weight.detach().flatten().tolist()
+
+
+def test_sparse_gradients(tmp_path):
+    np_ = 3
+    sum_ = torch.zeros(6, 3)
+    for r in range(np_):
+        sum_[r] += r + 1.0
+        sum_[r + 1] += 10.0 * (r + 1)
+    expected = _sparse_reference(np_)
+    for out in run_ranks(np_, SPARSE, tmp_path, timeout=60):
+        assert out["sum"] == sum_.tolist()
+        assert torch.allclose(torch.tensor(out["avg"]), sum_ / np_)
+        assert out["sparse grad sparse"] is True and out["as_dense grad sparse"] is True
+        assert out["sparse"] == pytest.approx(expected, abs=1e-6)
+        assert out["as_dense"] == pytest.approx(expected, abs=1e-6)

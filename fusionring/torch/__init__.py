@@ -17,8 +17,8 @@ from .functions import (Adasum, Average, Max, Min, Product, Sum, allgather, allg
                         grouped_reducescatter, grouped_reducescatter_async, init, is_homogeneous,
                         is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
                         mpi_threads_supported, nccl_built, poll, rank, reducescatter,
-                        reducescatter_async, rocm_built, shutdown, size, start_timeline,
-                        stop_timeline, synchronize)
+                        reducescatter_async, rocm_built, shutdown, size, sparse_allreduce_async,
+                        start_timeline, stop_timeline, synchronize)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 

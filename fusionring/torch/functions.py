@@ -420,6 +420,37 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
     return _register(_submit([request]), finish)
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None,
+                           process_set=None) -> int:
+    """Start reducing a sparse (COO) tensor: every rank's indices and values are gathered
+    and the result is their sum (divided by size() for Average), still sparse.
+
+    ``synchronize`` returns the reduced sparse tensor; duplicate indices are summed when
+    it is coalesced.
+    """
+    check_process_set(process_set, "sparse_allreduce_async()")
+    reduce_op = resolve_op(op)
+    label = name if name is not None else f"sparse{AUTO_NAME_MARK}{next(_auto_names)}"
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor ('{label}')")
+    if reduce_op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"sparse allreduce of '{label}' supports Average and Sum, not "
+                         f"{reduce_op.name}")
+    size_ = _rt.get("sparse_allreduce_async()").size
+    sparse = tensor.coalesce()
+    # Allgather concatenates along dim 0, so indices travel as (nnz, ndim) rows.
+    requests = [_allgather_request(sparse.indices().t().contiguous(), f"{label}.indices"),
+                _allgather_request(sparse.values().contiguous(), f"{label}.values")]
+
+    def finish(done):
+        indices, values = done[0].output, done[1].output
+        if reduce_op == ReduceOp.Average:
+            values = values / size_
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape).to(tensor.device)
+
+    return _register(_submit(requests), finish)
+
+
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):

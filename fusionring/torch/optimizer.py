@@ -27,6 +27,7 @@ from . import functions as F
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
                  "a race condition.")
+_SPARSE = object()  # ctx of a sparse gradient reduced by allgather
 _TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_step times before "
                        "call to step(). Increase backward_passes_per_step to accumulate gradients "
                        "locally.")
@@ -210,9 +211,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             if not self._sparse_as_dense:
-                raise ValueError(f"parameter '{self._tensor_name(p)}' has a sparse gradient; "
-                                 f"pass sparse_as_dense=True")
-            grad = p.grad = grad.to_dense()
+                # Horovod's default: gather every rank's indices and values (ctx marks it).
+                return F.sparse_allreduce_async(grad, name=self._tensor_name(p),
+                                                op=self._op), _SPARSE
+            grad = grad.to_dense()  # reduced dense; the result goes back sparse
         prescale, postscale = 1.0, 1.0
         if self._op == ReduceOp.Average:
             prescale = 1.0 / self._gradient_predivide_factor
@@ -251,8 +253,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 errors.append(exc)
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
-            result = self._compression.decompress(output, ctx)
-            if result.data_ptr() != p.grad.data_ptr():
+            result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
+            if p.grad.is_sparse:
+                # Optimizers for sparse gradients (SparseAdam) need them to stay sparse.
+                with torch.no_grad():
+                    p.grad.zero_().add_(result if result.is_sparse else result.to_sparse())
+            elif result.data_ptr() != p.grad.data_ptr():
                 with torch.no_grad():
                     p.grad.copy_(result)
         self._handles.clear()
