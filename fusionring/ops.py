@@ -16,8 +16,9 @@ class ReduceOp(enum.IntEnum):
     Product = 5
 
 
-# Codes of the C++ core's ReduceOp enum.
+# Codes of the C++ core's ReduceOp enum; Adasum is combined in the runtime, not the core.
 _CORE_CODE = {ReduceOp.Sum: 0, ReduceOp.Min: 1, ReduceOp.Max: 2, ReduceOp.Product: 3}
+ADASUM_CODE = -1
 
 
 def resolve_op(op, average=None) -> ReduceOp:
@@ -29,12 +30,10 @@ def resolve_op(op, average=None) -> ReduceOp:
             return ReduceOp.Average
         return ReduceOp.Sum
     try:
-        resolved = ReduceOp(int(op))
+        return ReduceOp(int(op))
     except (ValueError, TypeError):
-        raise ValueError(f"unsupported reduction op {op!r}; use Average, Sum, Min, Max or Product")
-    if resolved == ReduceOp.Adasum:
-        raise ValueError("op=Adasum is not supported by fusionring; use Average or Sum")
-    return resolved
+        raise ValueError(f"unsupported reduction op {op!r}; use Average, Sum, Adasum, Min, Max "
+                         f"or Product") from None
 
 
 def core_reduction(op: ReduceOp, prescale: float, postscale: float,
@@ -46,4 +45,6 @@ def core_reduction(op: ReduceOp, prescale: float, postscale: float,
     """
     if op == ReduceOp.Average:
         return _CORE_CODE[ReduceOp.Sum], float(prescale), float(postscale) / world_size
+    if op == ReduceOp.Adasum:
+        return ADASUM_CODE, float(prescale), float(postscale)
     return _CORE_CODE[op], float(prescale), float(postscale)

@@ -25,7 +25,7 @@ from . import _C
 from .config import Settings, settings
 from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from .negotiation import Negotiator, Ready, TensorSpec
-from .ops import ReduceOp, core_reduction
+from .ops import ADASUM_CODE, ReduceOp, core_reduction
 from .scheduler import Entry, FusionScheduler
 from .timeline import Timeline
 
@@ -416,12 +416,14 @@ class Runtime:
                             fusion_key=(r.spec.dtype, r.core_op, r.prescale, r.postscale,
                                         r.spec.compression),
                             payload=r)
-                      for r in ready if r.spec.kind == "allreduce"]
+                      for r in ready if r.spec.kind == "allreduce" and r.core_op != ADASUM_CODE]
         if reductions or flush:
             for batch in self._scheduler.schedule(reductions, flush=flush):
                 self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
         for request in ready:
             run = self._collectives.get(request.spec.kind)
+            if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
+                run = self._adasum  # per tensor: its coefficients come from its own norms
             if run is not None:
                 self._guarded([request], run)
 
@@ -594,6 +596,38 @@ class Runtime:
             output.copy_(received)
         request.output = output
         self.stats.bytes_sent += request.nbytes * (self.size - 1) // max(self.size, 1)
+
+    def _adasum(self, requests: List[Request]) -> None:
+        """Adasum (Maleki et al.): pairs of ranks at distance 1, 2, 4, ... swap their vectors
+        and both replace them with (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, a being the
+        lower rank's. After log2(size) rounds every rank holds the same tree combination.
+        """
+        request = requests[0]
+        out = request.output
+        wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+        work = out.reshape(-1).to(wide, copy=True)
+        if request.prescale != 1.0:
+            work.mul_(request.prescale)
+        other = torch.empty_like(work)
+        distance = 1
+        while distance < self.size:
+            partner = self.rank ^ distance
+            self._data_comm.Sendrecv(work.numpy(), dest=partner, recvbuf=other.numpy(),
+                                     source=partner)
+            self.stats.bytes_sent += work.numel() * work.element_size()
+            a, b = (work, other) if self.rank < partner else (other, work)
+            a64, b64 = a.double(), b.double()  # the coefficients decide the result: exact sums
+            dot = float(torch.dot(a64, b64))
+            a_norm, b_norm = float(torch.dot(a64, a64)), float(torch.dot(b64, b64))
+            a_coeff = 1.0 - dot / (2.0 * a_norm) if a_norm >= 1e-8 else 1.0
+            b_coeff = 1.0 - dot / (2.0 * b_norm) if b_norm >= 1e-8 else 1.0
+            combined = a * a_coeff + b * b_coeff  # same operands, same order on both ranks
+            work.copy_(combined)
+            distance <<= 1
+        if request.postscale != 1.0:
+            work.mul_(request.postscale)
+        out.copy_(work.view(out.shape))
+        self.stats.allreduce_tensors += 1
 
     def _broadcast(self, requests: List[Request]) -> None:
         request = requests[0]

@@ -206,6 +206,8 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
     host = _host(tensor, name or full)
+    if reduce_op == ReduceOp.Adasum:
+        _check_adasum(tensor, name or full, runtime.size, compression)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
@@ -217,6 +219,19 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
                       compression=compression.name if in_runtime else "")
     return _rt.Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
                        communicator=compression.communicate if in_runtime else None)
+
+
+def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> None:
+    # The same facts on every rank, so every rank raises alike and nothing is sent.
+    if size_ & (size_ - 1):
+        raise ValueError(f"allreduce '{name}': op=Adasum needs a power-of-two number of ranks, "
+                         f"not {size_}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"allreduce '{name}': op=Adasum needs a floating-point tensor, not "
+                         f"{_rt.dtype_name(tensor.dtype)}")
+    if compression is not None and getattr(compression, "in_runtime", False):
+        raise ValueError(f"allreduce '{name}': op=Adasum cannot be combined with "
+                         f"{compression.name} compression")
 
 
 def _submit(requests: List[_rt.Request]) -> List[int]:
@@ -631,6 +646,8 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     runtime = _rt.get("reducescatter")
     what = _described("reducescatter", name)
     reduce_op = resolve_op(op)
+    if reduce_op == ReduceOp.Adasum:
+        raise ValueError(f"{what}: op=Adasum is for allreduce only")
     host = _host(tensor, name if name is not None else "(unnamed)")
     if host.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")

@@ -99,6 +99,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._compression = compression
         self._op = op
+        # Adasum combines updates, not gradients: each parameter takes its local step as soon
+        # as its gradient is ready, and the step (the delta) is what ranks combine.
+        self._adasum = op == ReduceOp.Adasum
+        self._starting_models: Dict[torch.Tensor, torch.Tensor] = {}
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._sparse_as_dense = sparse_as_dense
@@ -208,6 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles[p] = (handle, ctx)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
+        if self._adasum:
+            return self._adasum_delta_async(p)
         grad = p.grad
         if grad.is_sparse:
             if not self._sparse_as_dense:
@@ -228,6 +234,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(grad)
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
+        return handle, ctx
+
+    def _adasum_delta_async(self, p: torch.Tensor):
+        """Step the wrapped optimizer on `p` alone, turn `p` into the step's delta and start
+        combining the deltas with Adasum; synchronize() adds the result to the start."""
+        start = self._starting_models.get(p)
+        if start is None:
+            start = self._starting_models[p] = torch.empty_like(p, requires_grad=False)
+        with torch.no_grad():
+            start.copy_(p)
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [p] if any(p is q for q in group["params"]) else []
+            self._optimizer.step()
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        with torch.no_grad():
+            p.sub_(start)
+        compressed, ctx = self._compression.compress(p.data)
+        handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=ReduceOp.Adasum)
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -254,7 +282,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
             result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
-            if p.grad.is_sparse:
+            if self._adasum:
+                with torch.no_grad():
+                    start = self._starting_models[p]
+                    start.add_(result.to(start.dtype))
+                    p.copy_(start)
+            elif p.grad.is_sparse:
                 # Optimizers for sparse gradients (SparseAdam) need them to stay sparse.
                 with torch.no_grad():
                     p.grad.zero_().add_(result if result.is_sparse else result.to_sparse())
@@ -294,6 +327,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if self._adasum and self._size > 1:
+            # The local steps already ran (one per parameter, as its gradient was ready).
+            self._last_step_end = time.perf_counter()
+            return closure() if closure is not None else None
         try:
             return self._optimizer.step(closure)
         finally:

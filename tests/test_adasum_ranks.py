@@ -1,0 +1,148 @@
+"""op=Adasum: the allreduce and the DistributedOptimizer, against a single-process reference."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_ranks
+
+
+def adasum_pair(a, b):
+    """Horovod's combination of two vectors, in float64."""
+    dot, na, nb = a @ b, a @ a, b @ b
+    ca = 1.0 - dot / (2 * na) if na >= 1e-8 else 1.0
+    cb = 1.0 - dot / (2 * nb) if nb >= 1e-8 else 1.0
+    return ca * a + cb * b
+
+
+def adasum_tree(vectors):
+    """Pairs (0, 1), (2, 3), ... first, then pairs of those results, and so on."""
+    level = [np.asarray(v, dtype=np.float64) for v in vectors]
+    while len(level) > 1:
+        level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def rank_vector(r, n, seed):
+    return np.random.default_rng(seed * 100 + r).standard_normal(n)
+
+
+ALLREDUCE = r'''
+import numpy as np
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+def vec(n, seed):
+    return np.random.default_rng(seed * 100 + r).standard_normal(n)
+if P & (P - 1) == 0:
+    out["f64"] = hvd.allreduce(torch.tensor(vec(1000, 1)), op=hvd.Adasum, name="f64").tolist()
+    out["f32"] = hvd.allreduce(torch.tensor(vec(333, 2), dtype=torch.float32).reshape(3, 111),
+                               op=hvd.Adasum, name="f32").flatten().tolist()
+    out["f16"] = hvd.allreduce(torch.tensor(vec(64, 3), dtype=torch.float16), op=hvd.Adasum,
+                               name="f16").float().tolist()
+    grouped = hvd.grouped_allreduce([torch.tensor(vec(50, 4)), torch.tensor(vec(7, 5))],
+                                    op=hvd.Adasum, name="grp")
+    out["grouped"] = [g.tolist() for g in grouped]
+    t = torch.tensor(vec(20, 6))
+    hvd.allreduce_(t, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5, name="scaled")
+    out["scaled"] = t.tolist()
+    out["zeros"] = hvd.allreduce(torch.zeros(5, dtype=torch.float64), op=hvd.Adasum).tolist()
+    try:
+        hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
+    except ValueError as exc:
+        out["int error"] = str(exc)
+else:
+    try:
+        hvd.allreduce(torch.ones(3), op=hvd.Adasum, name="odd")
+    except ValueError as exc:
+        out["size error"] = str(exc)
+out["after"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+report(out)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
+    results = run_ranks(np_, ALLREDUCE, tmp_path, timeout=90)
+    for out in results:
+        for key in ("f64", "f32", "f16", "grouped", "scaled"):
+            assert out[key] == results[0][key], key  # bitwise identical on every rank
+    ref = lambda n, seed: adasum_tree([rank_vector(r, n, seed) for r in range(np_)])  # noqa: E731
+    out = results[0]
+    np.testing.assert_allclose(out["f64"], ref(1000, 1), rtol=1e-12, atol=1e-12)
+    f32_inputs = [np.float32(rank_vector(r, 333, 2)).astype(np.float64) for r in range(np_)]
+    np.testing.assert_allclose(out["f32"], adasum_tree(f32_inputs), rtol=1e-5, atol=1e-5)
+    f16_inputs = [np.float16(rank_vector(r, 64, 3)).astype(np.float64) for r in range(np_)]
+    np.testing.assert_allclose(out["f16"], adasum_tree(f16_inputs), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out["grouped"][0], ref(50, 4), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out["grouped"][1], ref(7, 5), rtol=1e-12, atol=1e-12)
+    # prescale applies to every input, postscale to the result.
+    scaled = 0.5 * adasum_tree([2.0 * rank_vector(r, 20, 6) for r in range(np_)])
+    np.testing.assert_allclose(out["scaled"], scaled, rtol=1e-12, atol=1e-12)
+    assert out["zeros"] == [0.0] * 5
+    assert "floating-point" in out["int error"]
+    assert out["after"] == [float(np_)] * 2
+
+
+def test_adasum_needs_a_power_of_two_ranks(tmp_path):
+    for out in run_ranks(3, ALLREDUCE, tmp_path, timeout=60):
+        assert "power-of-two number of ranks, not 3" in out["size error"]
+        assert out["after"] == [3.0, 3.0]
+
+
+OPTIMIZER = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters(), op=hvd.Adasum)
+for step in range(3):
+    g = torch.Generator().manual_seed(100 * step + r)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 1, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+report([p.detach().flatten().tolist() for p in model.parameters()])
+'''
+
+
+def _optimizer_reference(P):
+    """Every rank steps its own SGD (own momentum) from the shared weights; the deltas are
+    combined by the Adasum tree and added to the shared weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    shared = [p.detach().clone() for p in model.parameters()]
+    momenta = [[None] * len(shared) for _ in range(P)]
+    for step in range(3):
+        deltas = []
+        for r in range(P):
+            with torch.no_grad():
+                for p, s in zip(model.parameters(), shared):
+                    p.copy_(s)
+            g = torch.Generator().manual_seed(100 * step + r)
+            x, y = torch.randn(8, 5, generator=g), torch.randn(8, 1, generator=g)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            delta = []
+            for i, p in enumerate(model.parameters()):
+                buf = momenta[r][i]
+                buf = p.grad.clone() if buf is None else buf * 0.9 + p.grad
+                momenta[r][i] = buf
+                delta.append(-0.1 * buf)
+            deltas.append(delta)
+        for i in range(len(shared)):
+            combined = adasum_tree([d[i].double().flatten().numpy() for d in deltas])
+            shared[i] = shared[i] + torch.tensor(combined, dtype=torch.float32).view_as(shared[i])
+    return [s.flatten().tolist() for s in shared]
+
+
+def test_adasum_distributed_optimizer(tmp_path):
+    results = run_ranks(2, OPTIMIZER, tmp_path, timeout=60)
+    assert results[0] == results[1]
+    expected = _optimizer_reference(2)
+    for got, want in zip(results[0], expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
