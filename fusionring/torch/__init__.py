@@ -19,6 +19,7 @@ from .functions import (Adasum, Average, Max, Min, Product, Sum, allgather, allg
                         mpi_threads_supported, nccl_built, poll, rank, reducescatter,
                         reducescatter_async, rocm_built, shutdown, size, sparse_allreduce_async,
                         start_timeline, stop_timeline, synchronize)
+from . import elastic
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
