@@ -3,8 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -106,6 +108,34 @@ class Communicator {
     return out;
   }
 
+  void set_wait_policy(long spin_us, long sleep_us) {
+    if (spin_us < 0 || sleep_us < 0 || sleep_us > 1000000) {
+      throw InvalidArgument("wait policy needs 0 <= spin_us and 0 <= sleep_us <= 1000000");
+    }
+    transport_.set_wait_policy(WaitPolicy{spin_us, sleep_us});
+  }
+
+  // In-place bitwise AND of `count` uint64 words across ranks, waited for under the
+  // wait policy (the negotiation's per-cycle agreement).
+  void band_allreduce(std::uintptr_t address, std::size_t count) {
+    if (count > static_cast<std::size_t>(INT_MAX)) throw InvalidArgument("too many words");
+    int code;
+    {
+      py::gil_scoped_release release;
+      MPI_Request request;
+      code = MPI_Iallreduce(MPI_IN_PLACE, as_pointer(address), static_cast<int>(count),
+                            MPI_UINT64_T, MPI_BAND, transport_.comm(), &request);
+      if (code == MPI_SUCCESS) code = wait_requests(1, &request, transport_.wait_policy());
+    }
+    if (code != MPI_SUCCESS) {
+      char text[MPI_MAX_ERROR_STRING];
+      int len = 0;
+      MPI_Error_string(code, text, &len);
+      throw CommunicationError("negotiation allreduce failed on rank " +
+                               std::to_string(transport_.rank()) + ": " + std::string(text, len));
+    }
+  }
+
  private:
   MpiTransport transport_;
 };
@@ -187,7 +217,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
            py::arg("segment_bytes") = 1 << 20,
            "In-place N:M-compressed sum of `count` float32 at `address` with per-rank masks "
-           "(compressed reduce-scatter + allgather); returns {bytes_sent, bytes_received}.");
+           "(compressed reduce-scatter + allgather); returns {bytes_sent, bytes_received}.")
+      .def("set_wait_policy", &Communicator::set_wait_policy, py::arg("spin_us"),
+           py::arg("sleep_us"),
+           "How waits for MPI requests behave: sleep_us 0 polls nonstop (MPI_Wait); else poll "
+           "for spin_us, then sleep between tests, naps doubling up to sleep_us.")
+      .def("band_allreduce", &Communicator::band_allreduce, py::arg("address"), py::arg("count"),
+           "In-place bitwise AND of `count` uint64 words across ranks (GIL released).");
 
   py::class_<SharedMemoryAllreduce>(m, "SharedMemoryAllreduce")
       .def(py::init<std::uintptr_t, std::size_t>(), py::arg("handle"), py::arg("slot_bytes") = 4 << 20,

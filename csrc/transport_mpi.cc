@@ -1,6 +1,9 @@
 #include "transport_mpi.h"
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
+#include <ctime>
 #include <string>
 
 #include "dtype.h"
@@ -58,15 +61,33 @@ Transport::Request MpiTransport::irecv(void* buf, std::size_t bytes, int peer) {
   return track(r);
 }
 
+int wait_requests(int count, MPI_Request* requests, const WaitPolicy& policy) {
+  if (policy.sleep_us <= 0) return MPI_Waitall(count, requests, MPI_STATUSES_IGNORE);
+  const auto start = std::chrono::steady_clock::now();
+  const auto spin = std::chrono::microseconds(policy.spin_us);
+  // Naps grow from 10 us to sleep_us: a reply due soon is caught soon, and a long transfer
+  // costs a test per sleep_us.
+  long nap_us = std::min(10L, policy.sleep_us);
+  while (true) {
+    int done = 0;
+    int code = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    if (code != MPI_SUCCESS || done) return code;
+    if (std::chrono::steady_clock::now() - start < spin) continue;
+    const timespec nap{0, nap_us * 1000L};
+    nanosleep(&nap, nullptr);
+    nap_us = std::min(nap_us * 2, policy.sleep_us);
+  }
+}
+
 void MpiTransport::wait(Request request) {
   if (request < 0) return;
   MPI_Request& r = requests_.at(static_cast<std::size_t>(request));
-  check(MPI_Wait(&r, MPI_STATUS_IGNORE), "MPI_Wait");
+  check(wait_requests(1, &r, policy_), "MPI_Wait");
 }
 
 void MpiTransport::wait_all() {
   if (!requests_.empty()) {
-    check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
+    check(wait_requests(static_cast<int>(requests_.size()), requests_.data(), policy_),
           "MPI_Waitall");
   }
   requests_.clear();

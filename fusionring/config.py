@@ -46,6 +46,13 @@ class Settings:
     # MPI is not told to avoid shared memory); "on": require it; "off": MPI transport only.
     shared_memory: str = "auto"
     shm_slot_bytes: int = 1 << 20
+    # How the background thread waits on MPI: "spin" polls nonstop (lowest latency on shared
+    # memory); "sleep" polls briefly, then naps between tests (growing up to
+    # mpi_wait_sleep_us), leaving the CPU to the kernel's network stack and to training while
+    # bytes cross a network; "auto" sleeps when some ranks are on other hosts (or MPI is told
+    # every peer is remote).
+    mpi_wait: str = "auto"
+    mpi_wait_sleep_us: int = 1000
 
 
 def _from_environment() -> Settings:
@@ -62,6 +69,8 @@ def _from_environment() -> Settings:
         slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, float),
         shared_memory=_read("SHARED_MEMORY", _shared_memory_default(d.shared_memory), _mode),
         shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
+        mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
+        mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
     )
 
 
@@ -72,9 +81,20 @@ def _mode(raw: str) -> str:
     return value
 
 
+def _wait_mode(raw: str) -> str:
+    value = raw.lower()
+    if value not in ("auto", "spin", "sleep"):
+        raise ValueError(f"expected auto, spin or sleep, got {raw!r}")
+    return value
+
+
+def _mpi_peers_remote() -> bool:
+    # MPICH told to treat every peer as remote (e.g. ranks in emulated hosts).
+    return os.environ.get("MPIR_CVAR_NOLOCAL", "0").strip() not in ("", "0")
+
+
 def _shared_memory_default(default: str) -> str:
-    # MPICH told to treat every peer as remote (e.g. ranks in emulated hosts): so are we.
-    return "off" if os.environ.get("MPIR_CVAR_NOLOCAL", "0").strip() not in ("", "0") else default
+    return "off" if _mpi_peers_remote() else default
 
 
 _cached: Optional[Settings] = None

@@ -232,11 +232,13 @@ class Negotiator:
     """Runs the per-cycle agreement on a dedicated communicator (background thread only)."""
 
     def __init__(self, comm, stall_warning_s: Optional[float],
-                 stall_shutdown_s: Optional[float]) -> None:
+                 stall_shutdown_s: Optional[float], core=None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
         self._comm = comm
+        # The core's AND-allreduce waits as the runtime's wait policy says, GIL released.
+        self._core = core
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._stall_warning_s = stall_warning_s
@@ -290,7 +292,10 @@ class Negotiator:
                 if self._joinable(self._cache[name].spec, [self.rank]):
                     mine[cache_id // 64] |= np.uint64(1 << (cache_id % 64))
         words[base:base + n_ids] = mine
-        self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
+        if self._core is not None:
+            self._core.band_allreduce(words.ctypes.data, words.size)
+        else:
+            self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
         outcome = Outcome(flush=bool(words[1]))
         self._note_joined(~words[_HEADER_WORDS:base], outcome, all_idle=bool(words[2]))

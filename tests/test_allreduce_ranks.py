@@ -118,3 +118,25 @@ def test_shared_memory_transport_matches_numpy(np_, tmp_path):
     results = run_ranks(np_, code, tmp_path, timeout=240, env=SHARED_MEMORY_ENV)
     for rank, failures in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:10]}"
+
+
+@pytest.mark.parametrize("np_", [3])
+def test_sleeping_waits_match_numpy(np_, tmp_path):
+    # The wait policy used across a network: test, then nap between tests (negotiation too).
+    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import runtime as _rt\n"
+                         "assert _rt.get().mpi_wait == 'sleep'").replace(
+        "shm = _C.SharedMemoryAllreduce", "core.set_wait_policy(0, 20)\n"
+        "shm = _C.SharedMemoryAllreduce")
+    results = run_ranks(np_, code, tmp_path, timeout=240,
+                        env={"FUSIONRING_MPI_WAIT": "sleep", "FUSIONRING_SHARED_MEMORY": "off"})
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:10]}"
+
+
+def test_wait_policy_rejects_bad_values():
+    from mpi4py import MPI
+    from fusionring import _C
+
+    core = _C.Communicator(MPI._handleof(MPI.COMM_SELF))
+    with pytest.raises(ValueError, match="wait policy"):
+        core.set_wait_policy(-1, 10)
