@@ -1,76 +1,189 @@
-"""Process sets: which ranks an operation runs on.
+"""Process sets: operations on a subset of the ranks.
 
-fusionring runs every operation on all ranks of the communicator given to ``init()``
-(``global_process_set``). Horovod's API for subsets is present so scripts that name the
-global set run unchanged; asking for a subset fails with a clear error instead of
-silently running on every rank.
+``global_process_set`` is every rank of the communicator given to ``init()``. Another set
+(``ProcessSet([0, 2])``) is registered collectively, by every rank, with ``init(process_sets=
+[...])`` or ``add_process_set``; its members then get a runtime of their own on a
+sub-communicator (its own negotiation, fusion and background thread), so operations on
+different sets proceed independently. Ranks are always given as global ranks, root ranks
+of broadcasts included; ``Average`` divides by the set's size.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import threading
+from typing import Dict, List, Optional, Sequence, Union
 
 from . import runtime as _rt
 
 
 class ProcessSet:
-    """A set of ranks; ``ProcessSet(None)`` (``global_process_set``) means every rank."""
+    """A set of global ranks; ``ProcessSet(None)`` (``global_process_set``) is every rank.
 
-    def __init__(self, ranks: Optional[Sequence[int]] = None) -> None:
-        self._ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else None
+    A set other than the global one can be used once registered (``add_process_set`` or
+    ``init(process_sets=...)``), and only on its member ranks."""
+
+    def __init__(self, ranks_or_comm: Union[None, Sequence[int], object] = None) -> None:
+        if ranks_or_comm is not None and hasattr(ranks_or_comm, "Get_group"):
+            ranks_or_comm = _ranks_of_comm(ranks_or_comm)
+        if ranks_or_comm is None:
+            self._ranks: Optional[List[int]] = None
+        else:
+            ranks = [int(r) for r in ranks_or_comm]
+            if len(set(ranks)) != len(ranks) or not ranks:
+                raise ValueError(f"a process set needs distinct ranks, got {ranks}")
+            self._ranks = sorted(ranks)
+        self.process_set_id: Optional[int] = 0 if ranks_or_comm is None else None
+        self._runtime: Optional[_rt.Runtime] = None
+        self._comm = None  # the sub-communicator, on members
 
     @property
     def ranks(self) -> List[int]:
-        """The member ranks (all ranks for the global set)."""
+        """The member ranks, as global ranks (all ranks for the global set)."""
         if self._ranks is None:
             return list(range(_rt.get("ProcessSet.ranks").size))
         return list(self._ranks)
 
     def size(self) -> int:
+        """Number of ranks in the set."""
         return len(self.ranks)
 
     def rank(self) -> int:
         """This process's rank within the set, or -1 when it is not a member."""
-        me = _rt.get("ProcessSet.rank()").rank
-        return self.ranks.index(me) if me in self.ranks else -1
+        me = _global_runtime("ProcessSet.rank()").rank
+        ranks = self.ranks
+        return ranks.index(me) if me in ranks else -1
 
     def included(self) -> bool:
+        """Whether this process is a member."""
         return self.rank() >= 0
 
-    def is_global(self) -> bool:
-        """True when the set holds every rank."""
-        return self._ranks is None or self._ranks == list(range(_rt.get("ProcessSet").size))
-
     def __repr__(self) -> str:
-        return "ProcessSet(global)" if self._ranks is None else f"ProcessSet({self._ranks})"
+        if self._ranks is None:
+            return "ProcessSet(global)"
+        return f"ProcessSet({self._ranks}, id={self.process_set_id})"
 
 
 global_process_set = ProcessSet(None)
 
+_lock = threading.Lock()
+_registered: Dict[int, ProcessSet] = {}
+_next_id = 1
 
-def check_process_set(process_set, what: str) -> None:
-    """Accept None or a set that holds every rank; otherwise raise naming the ranks."""
+
+def _global_runtime(what: str) -> "_rt.Runtime":
+    with _rt.using(None):
+        return _rt.get(what)
+
+
+def _ranks_of_comm(comm) -> List[int]:
+    from mpi4py import MPI
+
+    world = _global_runtime("ProcessSet(comm)").base_comm
+    return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                          world.Get_group()))
+
+
+def runtime_for(process_set, what: str) -> Optional["_rt.Runtime"]:
+    """The runtime that runs `what` for `process_set`; None means the global runtime.
+
+    Raises ValueError for a set that is not registered, or when this rank is not in it.
+    """
     if process_set is None or process_set is global_process_set:
-        return
+        return None
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{what}: process_set must be a ProcessSet, not "
                         f"{type(process_set).__name__}")
-    if not process_set.is_global():
-        raise NotImplementedError(
-            f"{what}: process set with ranks {process_set.ranks} requested, but fusionring runs "
-            f"every operation on all {_rt.get(what).size} ranks; call init(comm=[...]) with those "
-            f"ranks in a separate job instead")
+    if process_set._ranks is None:
+        return None
+    if process_set.process_set_id is None or process_set.process_set_id not in _registered:
+        raise ValueError(f"{what}: process set with ranks {process_set.ranks} has not been "
+                         f"added; call hvd.add_process_set() on every rank first")
+    if process_set._runtime is None:
+        me = _global_runtime(what).rank
+        raise ValueError(f"{what}: rank {me} is not in the process set with ranks "
+                         f"{process_set.ranks}")
+    return process_set._runtime
 
 
-def add_process_set(process_set) -> ProcessSet:
-    """Register a process set. Only a set holding every rank is supported."""
+def check_process_set(process_set, what: str) -> None:
+    """Raise unless `process_set` can run an operation on this rank."""
+    runtime_for(process_set, what)
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set: a collective, called by every rank with the same ranks.
+
+    Members get their own runtime on a sub-communicator. Returns the registered set.
+    """
+    global _next_id
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    check_process_set(process_set, "add_process_set()")
-    return global_process_set
+    if process_set._ranks is None:
+        return global_process_set
+    runtime = _global_runtime("add_process_set()")
+    ranks = process_set.ranks
+    if ranks[-1] >= runtime.size or ranks[0] < 0:
+        raise ValueError(f"add_process_set(): ranks {ranks} are out of range for "
+                         f"{runtime.size} ranks")
+    if process_set.process_set_id is not None and process_set.process_set_id in _registered:
+        raise ValueError(f"add_process_set(): {process_set!r} is already added")
+    # Every rank must ask for the same set, in the same order, or communicators mismatch.
+    from .torch.functions import allgather_object
+
+    with _rt.using(None):
+        asked = allgather_object(ranks, name="process_sets.add")
+    if any(a != ranks for a in asked):
+        differing = ", ".join(f"rank {r} asked for {a}" for r, a in enumerate(asked))
+        raise ValueError(f"add_process_set(): ranks disagree on the set: {differing}")
+    base = runtime.base_comm
+    group = base.Get_group().Incl(ranks)
+    try:
+        sub = base.Create(group)
+    finally:
+        group.Free()
+    with _lock:
+        process_set.process_set_id = _next_id
+        _next_id += 1
+        _registered[process_set.process_set_id] = process_set
+    if runtime.rank in ranks:
+        process_set._comm = sub
+        process_set._runtime = _rt.Runtime(sub, global_ranks=ranks)
+    return process_set
+
+
+def _release(process_set: ProcessSet) -> None:
+    if process_set._runtime is not None:
+        process_set._runtime.shutdown()
+        process_set._runtime = None
+    if process_set._comm is not None:
+        try:
+            process_set._comm.Free()
+        except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
+            pass
+        process_set._comm = None
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Horovod's counterpart of add_process_set(); the global set is never removed."""
-    check_process_set(process_set, "remove_process_set()")
-    return False
+    """Unregister a set added before (a collective on every rank); False for the global set."""
+    if not isinstance(process_set, ProcessSet) or process_set._ranks is None:
+        return False
+    with _lock:
+        known = _registered.pop(process_set.process_set_id, None) is not None
+    if not known:
+        return False
+    from .torch.functions import barrier
+
+    _release(process_set)
+    with _rt.using(None):
+        barrier()  # every rank has let go of the set before any adds another
+    process_set.process_set_id = None
+    return True
+
+
+def shutdown_all() -> None:
+    """Stop every process set's runtime on this rank (part of ``shutdown()``)."""
+    with _lock:
+        sets = list(_registered.values())
+        _registered.clear()
+    for process_set in sets:
+        _release(process_set)
+        process_set.process_set_id = None

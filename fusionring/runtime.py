@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import itertools
@@ -103,12 +105,16 @@ class Stats:
 class Runtime:
     """One per process: owns the communicators, the queue and the background thread."""
 
-    def __init__(self, comm=None, config: Optional[Settings] = None) -> None:
+    def __init__(self, comm=None, config: Optional[Settings] = None,
+                 global_ranks: Optional[List[int]] = None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
         self.config = config or settings()
         base = comm if comm is not None else MPI.COMM_WORLD
+        self.base_comm = base
+        # For a process set's runtime: the global rank of each of its ranks (None: global).
+        self.global_ranks = global_ranks
         # Separate communicators: user code may use COMM_WORLD freely alongside us.
         self._control_comm = base.Dup()
         self._data_comm = base.Dup()
@@ -708,13 +714,35 @@ def init(comm=None) -> Runtime:
 def shutdown() -> None:
     """Stop the runtime on this rank; ranks still running see their pending ops fail."""
     global _runtime
+    from . import process_sets
+
+    process_sets.shutdown_all()
     if _runtime is not None:
         runtime, _runtime = _runtime, None
         runtime.shutdown()
 
 
+# The runtime of the process set an operation was called with (see fusionring.process_sets);
+# unset, operations run on the global runtime.
+_current: "contextvars.ContextVar[Optional[Runtime]]" = contextvars.ContextVar(
+    "fusionring_runtime", default=None)
+
+
+@contextlib.contextmanager
+def using(runtime: Optional[Runtime]):
+    """Route operations started inside the block to `runtime` (None: the global one)."""
+    token = _current.set(runtime)
+    try:
+        yield runtime
+    finally:
+        _current.reset(token)
+
+
 def get(what: str = "this operation") -> Runtime:
     """The live runtime, or NotInitializedError naming what was attempted."""
+    routed = _current.get()
+    if routed is not None:
+        return routed
     if _runtime is None:
         raise NotInitializedError(what)
     return _runtime

@@ -7,6 +7,8 @@ background loop does the work; these functions only prepare buffers and finish r
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import io
 import itertools
 import numbers
@@ -19,7 +21,7 @@ import torch
 from .. import runtime as _rt
 from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
-from ..process_sets import check_process_set
+from ..process_sets import add_process_set, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -27,9 +29,16 @@ Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, Reduc
 
 
 # ---------------------------------------------------------------------- process state
-def init(comm=None) -> None:
-    """Initialise fusionring (call once per process, on every rank)."""
+def init(comm=None, process_sets=None) -> None:
+    """Initialise fusionring (call once per process, on every rank).
+
+    `process_sets`: ProcessSets (or lists of ranks) to register now, on every rank alike;
+    "dynamic" is accepted for Horovod compatibility (sets can always be added later).
+    """
     _rt.init(comm)
+    if process_sets is not None and not isinstance(process_sets, str):
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def shutdown() -> None:
@@ -131,6 +140,7 @@ def communication_stats() -> Dict[str, Any]:
 class _Operation:
     handles: List[int]
     finish: Callable[[List[_rt.Request]], Any]
+    runtime: Any = None  # the runtime the handles belong to (a process set's, or global)
 
 
 _operations: Dict[int, _Operation] = {}
@@ -140,10 +150,27 @@ _handles_lock = threading.Lock()
 
 
 def _register(handles: List[int], finish: Callable[[List[_rt.Request]], Any]) -> int:
+    runtime = _rt.get("a collective operation")
     with _handles_lock:
         handle = next(_operation_ids)
-        _operations[handle] = _Operation(handles, finish)
+        _operations[handle] = _Operation(handles, finish, runtime)
     return handle
+
+
+def _routed(function):
+    """Run `function` on the runtime of its `process_set` argument (global when None)."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        process_set = signature.bind_partial(*args, **kwargs).arguments.get("process_set")
+        runtime = runtime_for(process_set, f"{function.__name__}()")
+        if runtime is None:
+            return function(*args, **kwargs)
+        with _rt.using(runtime):
+            return function(*args, **kwargs)
+
+    return call
 
 
 def _lookup(handle: int) -> _Operation:
@@ -157,14 +184,16 @@ def _lookup(handle: int) -> _Operation:
 
 def poll(handle: int) -> bool:
     """True when the asynchronous operation behind `handle` has completed."""
-    runtime = _rt.get("poll()")
-    return all(runtime.poll(h) for h in _lookup(handle).handles)
+    _rt.get("poll()")
+    operation = _lookup(handle)
+    return all(operation.runtime.poll(h) for h in operation.handles)
 
 
 def synchronize(handle: int):
     """Wait for an asynchronous operation and return its result (raises on failure)."""
-    runtime = _rt.get("synchronize()")
+    _rt.get("synchronize()")
     operation = _lookup(handle)
+    runtime = operation.runtime
     with _handles_lock:
         _operations.pop(handle, None)
     requests, error = [], None
@@ -269,11 +298,11 @@ def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
 
 
 # ---------------------------------------------------------------------- allreduce
+@_routed
 def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set=None) -> int:
     """Start an allreduce of `tensor` into a new tensor; returns a handle."""
-    check_process_set(process_set, "allreduce_async()")
     request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
                                  in_place=False)
     device = tensor.device
@@ -284,6 +313,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = No
     return _register(_submit([request]), finish)
 
 
+@_routed
 def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set=None, compression=None) -> int:
@@ -291,7 +321,6 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
 
     `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
     """
-    check_process_set(process_set, "allreduce_async_()")
     request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
                                  in_place=True, compression=compression)
     return _register(_submit([request]), _finish_into([tensor], single=True))
@@ -313,6 +342,7 @@ class _AllreduceFunction(torch.autograd.Function):
         return reduced, None, None, None, None
 
 
+@_routed
 def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
               compression=Compression.none, op=None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
@@ -321,7 +351,6 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     op: Average (default), Sum, Min, Max or Product. `compression` encodes the tensor
     for the wire (Compression.fp16 sends float16).
     """
-    check_process_set(process_set, "allreduce()")
     reduce_op = resolve_op(op, average)
     if getattr(compression, "in_runtime", False):  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
@@ -347,11 +376,11 @@ def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, 
                                   else reduced, ctx)
 
 
+@_routed
 def allreduce_(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> torch.Tensor:
     """In-place allreduce; returns `tensor`."""
-    check_process_set(process_set, "allreduce_()")
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor))
 
@@ -362,11 +391,11 @@ def _group_names(name: Optional[str], count: int) -> List[Optional[str]]:
     return [f"{name}.{i}" for i in range(count)]
 
 
+@_routed
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
                             name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set=None) -> int:
     """Start an allreduce of several tensors as one operation; returns one handle."""
-    check_process_set(process_set, "grouped_allreduce_async()")
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, False)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
     devices = [t.device for t in tensors]
@@ -377,21 +406,21 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
     return _register(_submit(requests), finish)
 
 
+@_routed
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                              name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set=None) -> int:
     """Start an in-place allreduce of several tensors; returns one handle."""
-    check_process_set(process_set, "grouped_allreduce_async_()")
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
 
+@_routed
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optional[str] = None,
                       compression=Compression.none, op=None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results."""
-    check_process_set(process_set, "grouped_allreduce()")
     if getattr(compression, "in_runtime", False):
         handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
                                     postscale_factor, compression=compression)
@@ -403,11 +432,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
     return [compression.decompress(o, c[1]) for o, c in zip(outputs, compressed)]
 
 
+@_routed
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Optional[str] = None,
                        op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set=None) -> List[torch.Tensor]:
     """In-place allreduce of several tensors."""
-    check_process_set(process_set, "grouped_allreduce_()")
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor))
 
@@ -423,9 +452,9 @@ def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> _rt.Request
     return _rt.Request(full, spec, host, None)
 
 
+@_routed
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
     """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
-    check_process_set(process_set, "allgather_async()")
     request = _allgather_request(tensor, name)
     device = tensor.device
 
@@ -435,6 +464,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
     return _register(_submit([request]), finish)
 
 
+@_routed
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None,
                            process_set=None) -> int:
     """Start reducing a sparse (COO) tensor: every rank's indices and values are gathered
@@ -443,7 +473,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     ``synchronize`` returns the reduced sparse tensor; duplicate indices are summed when
     it is coalesced.
     """
-    check_process_set(process_set, "sparse_allreduce_async()")
     reduce_op = resolve_op(op)
     label = name if name is not None else f"sparse{AUTO_NAME_MARK}{next(_auto_names)}"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
@@ -480,9 +509,9 @@ class _AllgatherFunction(torch.autograd.Function):
         return reduced.narrow(0, offset, ctx.dim0), None
 
 
+@_routed
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0 (differentiable)."""
-    check_process_set(process_set, "allgather()")
     return _AllgatherFunction.apply(tensor, name)
 
 
@@ -497,13 +526,13 @@ def _outputs_on(devices: Sequence[torch.device], single: bool):
     return finish
 
 
+@_routed
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set=None) -> int:
     """Start gathering several tensors (each along dim 0) as one operation; one handle.
 
     synchronize(handle) returns the list of gathered tensors, in the order of `tensors`.
     """
-    check_process_set(process_set, "grouped_allgather_async()")
     tensors = list(tensors)
     requests = [_allgather_request(t, n) for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
@@ -527,10 +556,10 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
         return (None, *grads)
 
 
+@_routed
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set=None) -> List[torch.Tensor]:
     """Allgather several tensors together (dim 0 may differ per rank); differentiable."""
-    check_process_set(process_set, "grouped_allgather()")
     tensors = list(tensors)
     if not tensors:
         return []
@@ -588,6 +617,7 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> _rt.
     return _rt.Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent})
 
 
+@_routed
 def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
                    process_set=None) -> int:
     """Start an alltoall; synchronize(handle) returns (output, received_splits).
@@ -595,7 +625,6 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None
     received_splits is int32 on the CPU, or has the dtype and device of `splits` when
     that is a tensor (as in Horovod).
     """
-    check_process_set(process_set, "alltoall_async()")
     request = _alltoall_request(tensor, splits, name)
     device = tensor.device
     like = splits if isinstance(splits, torch.Tensor) else None
@@ -628,6 +657,7 @@ class _AlltoallFunction(torch.autograd.Function):
         return grad, None, None
 
 
+@_routed
 def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
              process_set=None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Send `splits[i]` rows of `tensor` (dim 0, in order) to rank i; differentiable.
@@ -636,7 +666,6 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
     received from every rank, concatenated in rank order; when `splits` is given, returns
     (output, received_splits) as Horovod does. Other dimensions must agree across ranks.
     """
-    check_process_set(process_set, "alltoall()")
     return _AlltoallFunction.apply(tensor, splits, name)
 
 
@@ -659,20 +688,20 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
                        prescale=pre, postscale=post)
 
 
+@_routed
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op=Average,
                         process_set=None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of `tensor`; synchronize(handle) returns this rank's block."""
-    check_process_set(process_set, "reducescatter_async()")
     request = _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor)
     return _register(_submit([request]), _outputs_on([tensor.device], single=True))
 
 
+@_routed
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op=Average, process_set=None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of several tensors as one operation; returns one handle."""
-    check_process_set(process_set, "grouped_reducescatter_async()")
     tensors = list(tensors)
     requests = [_reducescatter_request(t, n, op, prescale_factor, postscale_factor)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
@@ -727,6 +756,7 @@ def _wire_form(compression, tensor: torch.Tensor, kind: str):
     return payload, ctx
 
 
+@_routed
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression=Compression.none, op=Average, process_set=None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
@@ -735,7 +765,6 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     Rank r gets dim0 // size() rows, plus one for the first dim0 % size() ranks.
     op: Average (default), Sum, Min, Max or Product (gradients for Sum and Average).
     """
-    check_process_set(process_set, "reducescatter()")
     reduce_op = resolve_op(op)
     payload, ctx = _wire_form(compression, tensor, "reducescatter")
     reduced = _ReducescatterFunction.apply(payload, name, reduce_op, prescale_factor,
@@ -743,12 +772,12 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     return compression.decompress(reduced, ctx)
 
 
+@_routed
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression=Compression.none, op=Average, process_set=None,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Reducescatter several tensors together; returns this rank's block of each."""
-    check_process_set(process_set, "grouped_reducescatter()")
     tensors = list(tensors)
     if not tensors:
         return []
@@ -763,20 +792,26 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str],
                        in_place: bool) -> _rt.Request:
     runtime = _rt.get("broadcast")
-    if not 0 <= int(root_rank) < runtime.size:
+    root = int(root_rank)
+    if runtime.global_ranks is not None:  # a process set: root_rank is a global rank
+        if root not in runtime.global_ranks:
+            raise ValueError(f"root_rank {root} is not in the process set with ranks "
+                             f"{runtime.global_ranks}")
+        root = runtime.global_ranks.index(root)
+    elif not 0 <= root < runtime.size:
         raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size} ranks")
     full = _full_name("broadcast", name)
     host = _host(tensor, name or full)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     spec = TensorSpec("broadcast", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
-                      root=int(root_rank))
-    return _rt.Request(full, spec, host, output, root=int(root_rank))
+                      root=root)
+    return _rt.Request(full, spec, host, output, root=root)
 
 
+@_routed
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set=None) -> int:
     """Start broadcasting root's `tensor` into a new tensor on every rank."""
-    check_process_set(process_set, "broadcast_async()")
     request = _broadcast_request(tensor, root_rank, name, in_place=False)
     device = tensor.device
 
@@ -786,10 +821,10 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     return _register(_submit([request]), finish)
 
 
+@_routed
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set=None) -> int:
     """Start broadcasting root's `tensor` into `tensor` on every rank."""
-    check_process_set(process_set, "broadcast_async_()")
     request = _broadcast_request(tensor, root_rank, name, in_place=True)
     return _register(_submit([request]), _finish_into([tensor], single=True))
 
@@ -808,17 +843,17 @@ class _BroadcastFunction(torch.autograd.Function):
         return reduced, None, None
 
 
+@_routed
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set=None) -> torch.Tensor:
     """Return root's `tensor` on every rank (differentiable)."""
-    check_process_set(process_set, "broadcast()")
     return _BroadcastFunction.apply(tensor, root_rank, name)
 
 
+@_routed
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with root's on every rank; returns `tensor`."""
-    check_process_set(process_set, "broadcast_()")
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
@@ -889,9 +924,9 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
 
 
 # ---------------------------------------------------------------------- barrier
+@_routed
 def barrier(process_set=None) -> None:
     """Block until every rank reaches the barrier."""
-    check_process_set(process_set, "barrier()")
     runtime = _rt.get("barrier()")
     request = _rt.Request("barrier", TensorSpec("barrier", "none", ()),
                           torch.empty(0, dtype=torch.uint8), None)

@@ -21,7 +21,7 @@ from .. import runtime as _rt
 from ..compression import Compression
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
-from ..process_sets import check_process_set
+from ..process_sets import runtime_for
 from . import functions as F
 
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -65,7 +65,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `gradient_predivide_factor` (split the averaging before/after the sum), `groups`
     (explicit fusion groups: an int or lists of parameters; `num_groups` is its older
     name) and `grouping_plan` (a plan made by ``fusionring plan``: a path or a Plan,
-    fusing gradients in balanced groups). `process_set` may only be the global set.
+    fusing gradients in balanced groups). With `process_set`, gradients are averaged
+    over that set's ranks only (every member wraps its optimizer alike).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -74,8 +75,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                  grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
                  process_set=None) -> None:
-        runtime = _rt.get("DistributedOptimizer")
-        check_process_set(process_set, "DistributedOptimizer")
+        # A process set's own runtime, or None: the global runtime (looked up at each use,
+        # so the optimizer outlives a shutdown() / init() of it).
+        self._set_runtime = runtime_for(process_set, "DistributedOptimizer")
+        runtime = self._set_runtime or _rt.get("DistributedOptimizer")
         if num_groups:
             warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
                           DeprecationWarning, stacklevel=2)
@@ -212,6 +215,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles[p] = (handle, ctx)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
+        with _rt.using(self._set_runtime):
+            return self._submit_grad(p)
+
+    def _submit_grad(self, p: torch.Tensor):
         if self._adasum:
             return self._adasum_delta_async(p)
         grad = p.grad

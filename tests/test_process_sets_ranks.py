@@ -1,0 +1,108 @@
+"""Process sets: operations on subsets of the ranks, with Horovod's semantics."""
+from conftest import run_ranks
+
+PROCESS_SETS = r'''
+import torch
+import fusionring.torch as hvd
+even = hvd.ProcessSet([0, 2])
+hvd.init(process_sets=[even])
+odd = hvd.add_process_set([1, 3])
+r = hvd.rank()
+mine, other = (even, odd) if r % 2 == 0 else (odd, even)
+out = {}
+out["set"] = [mine.ranks, mine.size(), mine.rank(), mine.included(), other.included(),
+              mine.process_set_id > 0, hvd.size()]
+x = torch.full((3,), float(r + 1))
+out["sum"] = hvd.allreduce(x, op=hvd.Sum, name="x", process_set=mine).tolist()
+out["avg"] = hvd.allreduce(x, name="x", process_set=mine).tolist()
+out["gather"] = hvd.allgather(torch.full((r + 1, 1), float(r)), process_set=mine).flatten().tolist()
+root = mine.ranks[-1]  # a global rank
+out["bcast"] = hvd.broadcast(torch.full((2,), float(r)), root_rank=root, process_set=mine).tolist()
+# The same name in flight on a set and globally at once: separate runtimes, no clash.
+h_set = hvd.allreduce_async(x, op=hvd.Sum, name="both", process_set=mine)
+h_all = hvd.allreduce_async(x, op=hvd.Sum, name="both")
+out["async"] = [hvd.synchronize(h_set).tolist(), hvd.synchronize(h_all).tolist()]
+try:
+    hvd.allreduce(x, process_set=other)
+    out["not member"] = "no error"
+except ValueError as exc:
+    out["not member"] = str(exc)
+try:
+    hvd.allreduce(x, process_set=hvd.ProcessSet([0, 1]))
+    out["not added"] = "no error"
+except ValueError as exc:
+    out["not added"] = str(exc)
+try:
+    hvd.broadcast(x, root_rank=other.ranks[0], process_set=mine)
+    out["root outside"] = "no error"
+except ValueError as exc:
+    out["root outside"] = str(exc)
+
+# A DistributedOptimizer per set: each set averages its own gradients.
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), process_set=mine)
+for step in range(2):
+    opt.zero_grad()
+    model(torch.full((2, 4), float(r + step))).sum().backward()
+    opt.step()
+out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+
+# Ranks disagreeing on a set fail alike, and the library keeps working.
+try:
+    hvd.add_process_set([0, 1] if r == 0 else [0, 3])
+    out["disagree"] = "no error"
+except ValueError as exc:
+    out["disagree"] = str(exc)
+out["removed"] = hvd.remove_process_set(odd)
+try:
+    hvd.allreduce(x, process_set=odd)
+    out["after remove"] = "no error"
+except ValueError as exc:
+    out["after remove"] = str(exc)
+out["global"] = hvd.allreduce(x, op=hvd.Sum, name="end").tolist()
+report(out)
+'''
+
+
+def _reference_params(ranks):
+    """Single process: SGD on the average gradient of `ranks` (the set's members)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    for step in range(2):
+        grads = []
+        for r in ranks:
+            model.zero_grad()
+            model(torch.full((2, 4), float(r + step))).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / len(ranks)
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_process_sets(tmp_path):
+    import pytest
+
+    results = run_ranks(4, PROCESS_SETS, tmp_path, timeout=90)
+    for r, out in enumerate(results):
+        ranks = [0, 2] if r % 2 == 0 else [1, 3]
+        assert out["set"] == [ranks, 2, ranks.index(r), True, False, True, 4]
+        total = float(sum(k + 1 for k in ranks))
+        assert out["sum"] == [total] * 3
+        assert out["avg"] == [total / 2] * 3
+        assert out["gather"] == [float(k) for k in ranks for _ in range(k + 1)]
+        assert out["bcast"] == [float(ranks[-1])] * 2
+        assert out["async"] == [[total] * 3, [10.0] * 3]
+        assert "is not in the process set with ranks" in out["not member"]
+        assert "has not been added" in out["not added"]
+        assert "root_rank" in out["root outside"]
+        for got, want in zip(out["params"], _reference_params(ranks)):
+            assert got == pytest.approx(want, abs=1e-6)
+        assert "ranks disagree on the set" in out["disagree"]
+        assert out["removed"] is True
+        assert "has not been added" in out["after remove"]
+        assert out["global"] == [10.0] * 3
