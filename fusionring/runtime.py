@@ -738,6 +738,11 @@ def using(runtime: Optional[Runtime]):
         _current.reset(token)
 
 
+def current() -> Optional[Runtime]:
+    """The process set's runtime operations are routed to here, or None (global)."""
+    return _current.get()
+
+
 def get(what: str = "this operation") -> Runtime:
     """The live runtime, or NotInitializedError naming what was attempted."""
     routed = _current.get()

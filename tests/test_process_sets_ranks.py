@@ -18,6 +18,12 @@ out["avg"] = hvd.allreduce(x, name="x", process_set=mine).tolist()
 out["gather"] = hvd.allgather(torch.full((r + 1, 1), float(r)), process_set=mine).flatten().tolist()
 root = mine.ranks[-1]  # a global rank
 out["bcast"] = hvd.broadcast(torch.full((2,), float(r)), root_rank=root, process_set=mine).tolist()
+# Backward runs on the set too (autograd calls it outside the forward's context).
+w = torch.ones(3, requires_grad=True)
+hvd.allreduce(w * (r + 1), op=hvd.Sum, process_set=mine).sum().backward()
+out["grad"] = w.grad.tolist()
+out["objects"] = [hvd.broadcast_object({"from": r}, root_rank=root, process_set=mine),
+                  hvd.allgather_object(r * 10, process_set=mine)]
 # The same name in flight on a set and globally at once: separate runtimes, no clash.
 h_set = hvd.allreduce_async(x, op=hvd.Sum, name="both", process_set=mine)
 h_all = hvd.allreduce_async(x, op=hvd.Sum, name="both")
@@ -97,6 +103,8 @@ def test_process_sets(tmp_path):
         assert out["gather"] == [float(k) for k in ranks for _ in range(k + 1)]
         assert out["bcast"] == [float(ranks[-1])] * 2
         assert out["async"] == [[total] * 3, [10.0] * 3]
+        assert out["grad"] == [2.0 * (r + 1)] * 3  # the set's 2 ranks, not all 4
+        assert out["objects"] == [{"from": ranks[-1]}, [10 * k for k in ranks]]
         assert "is not in the process set with ranks" in out["not member"]
         assert "has not been added" in out["not added"]
         assert "root_rank" in out["root outside"]

@@ -157,6 +157,29 @@ def _register(handles: List[int], finish: Callable[[List[_rt.Request]], Any]) ->
     return handle
 
 
+def _keeps_runtime(cls):
+    """Run an autograd Function's backward on the runtime its forward ran on (a process
+    set's), since autograd calls backward outside the forward's context."""
+    forward, backward = cls.forward, cls.backward
+
+    def forward_here(ctx, *args):
+        ctx.fusionring_runtime = _rt.current()
+        return forward(ctx, *args)
+
+    def backward_there(ctx, *grads):
+        with _rt.using(ctx.fusionring_runtime):
+            return backward(ctx, *grads)
+
+    cls.forward, cls.backward = staticmethod(forward_here), staticmethod(backward_there)
+    return cls
+
+
+def _global_rank() -> int:
+    """This process's global rank, also inside a process set's operation."""
+    runtime = _rt.get("rank()")
+    return runtime.global_ranks[runtime.rank] if runtime.global_ranks else runtime.rank
+
+
 def _routed(function):
     """Run `function` on the runtime of its `process_set` argument (global when None)."""
     signature = inspect.signature(function)
@@ -326,6 +349,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
     return _register(_submit([request]), _finish_into([tensor], single=True))
 
 
+@_keeps_runtime
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
@@ -495,6 +519,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     return _register(_submit(requests), finish)
 
 
+@_keeps_runtime
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
@@ -538,6 +563,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
     return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
 
 
+@_keeps_runtime
 class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, *tensors):
@@ -640,6 +666,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None
     return _register(_submit([request]), finish)
 
 
+@_keeps_runtime
 class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name):
@@ -720,6 +747,7 @@ def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
     return [g * factor if factor != 1.0 else g for g in gathered]
 
 
+@_keeps_runtime
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
@@ -732,6 +760,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         return _reducescatter_grads([grad_output], ctx.op, ctx.scales)[0], None, None, None, None
 
 
+@_keeps_runtime
 class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
@@ -829,6 +858,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     return _register(_submit([request]), _finish_into([tensor], single=True))
 
 
+@_keeps_runtime
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
@@ -838,7 +868,7 @@ class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
-        if rank() != ctx.root_rank:
+        if _global_rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None
 
@@ -896,10 +926,12 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+@_routed
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=None) -> Any:
     """Pickle `obj` on root and return it on every rank."""
     base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
-    is_root = rank() == root_rank
+    is_root = _global_rank() == root_rank
     payload = _to_bytes(obj) if is_root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     length = broadcast_(length, root_rank, name=f"{base}.size")
@@ -909,7 +941,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
     return obj if is_root else _from_bytes(payload)
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+@_routed
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
     """Pickle `obj` on every rank and return the list of all ranks' objects."""
     base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
     payload = _to_bytes(obj)
