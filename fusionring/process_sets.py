@@ -104,9 +104,11 @@ def runtime_for(process_set, what: str) -> Optional["_rt.Runtime"]:
     return process_set._runtime
 
 
-def check_process_set(process_set, what: str) -> None:
-    """Raise unless `process_set` can run an operation on this rank."""
-    runtime_for(process_set, what)
+def is_added(process_set) -> bool:
+    """Whether `process_set` is the global set or a set registered on this rank."""
+    if not isinstance(process_set, ProcessSet):
+        return False
+    return process_set._ranks is None or process_set.process_set_id in _registered
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:

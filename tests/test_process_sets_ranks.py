@@ -7,6 +7,7 @@ import fusionring.torch as hvd
 even = hvd.ProcessSet([0, 2])
 hvd.init(process_sets=[even])
 odd = hvd.add_process_set([1, 3])
+hvd.init(process_sets=[even])  # again: a no-op
 r = hvd.rank()
 mine, other = (even, odd) if r % 2 == 0 else (odd, even)
 out = {}

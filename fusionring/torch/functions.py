@@ -21,7 +21,7 @@ import torch
 from .. import runtime as _rt
 from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
-from ..process_sets import add_process_set, runtime_for
+from ..process_sets import add_process_set, is_added, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
@@ -38,7 +38,8 @@ def init(comm=None, process_sets=None) -> None:
     _rt.init(comm)
     if process_sets is not None and not isinstance(process_sets, str):
         for process_set in process_sets:
-            add_process_set(process_set)
+            if not is_added(process_set):  # init() again is a no-op, as in Horovod
+                add_process_set(process_set)
 
 
 def shutdown() -> None:
