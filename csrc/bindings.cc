@@ -221,7 +221,8 @@ PYBIND11_MODULE(_C, m) {
       .def("set_wait_policy", &Communicator::set_wait_policy, py::arg("spin_us"),
            py::arg("sleep_us"),
            "How waits for MPI requests behave: sleep_us 0 polls nonstop (MPI_Wait); else poll "
-           "for spin_us, then sleep between tests, naps doubling up to sleep_us.")
+           "for spin_us, then sleep between tests, each nap an eighth of the time waited so far "
+           "(10 us to sleep_us).")
       .def("band_allreduce", &Communicator::band_allreduce, py::arg("address"), py::arg("count"),
            "In-place bitwise AND of `count` uint64 words across ranks (GIL released).");
 

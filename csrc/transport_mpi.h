@@ -11,8 +11,8 @@ namespace fusionring {
 
 // How a rank waits for MPI requests. MPI_Wait polls nonstop; over a network that takes
 // the CPU the kernel's TCP stack and the training thread need while bytes are in flight.
-// With sleep_us > 0 the wait polls for spin_us, then sleeps between tests, the naps doubling
-// up to sleep_us.
+// With sleep_us > 0 the wait polls for spin_us, then sleeps between tests, each nap an eighth
+// of the time waited so far (10 us at least, sleep_us at most).
 struct WaitPolicy {
   long spin_us = 0;
   long sleep_us = 0;  // <= 0: MPI_Wait / MPI_Waitall

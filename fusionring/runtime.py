@@ -31,7 +31,7 @@ from .ops import ADASUM_CODE, ReduceOp, core_reduction
 from .scheduler import Entry, FusionScheduler
 from .timeline import Timeline
 
-_SPIN_BEFORE_SLEEP_US = 50  # a reply that comes this soon is caught without a nap
+_SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
 _QUIET_BACKOFF = 10
 
