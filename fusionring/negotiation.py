@@ -124,8 +124,7 @@ def mismatch_message(name: str, specs: Sequence[TensorSpec],
     first = specs[0]
     if all(s.comparable() == first.comparable() for s in specs):
         return None
-    if name.startswith(first.kind + "."):  # internal names carry the operation as a prefix
-        name = name[len(first.kind) + 1:]
+    name = _bare(name, first)
     per_rank = [_field_values(s) for s in specs]
     ranks = list(ranks) if ranks is not None else list(range(len(specs)))
     for i, (field, _) in enumerate(per_rank[0]):
@@ -218,6 +217,7 @@ def _join_conflict(name: str, spec: TensorSpec, joined: Sequence[int]) -> Option
 
 
 def _bare(name: str, spec: TensorSpec) -> str:
+    # Internal names carry the operation as a prefix.
     return name[len(spec.kind) + 1:] if name.startswith(spec.kind + ".") else name
 
 
@@ -232,10 +232,7 @@ class Negotiator:
     """Runs the per-cycle agreement on a dedicated communicator (background thread only)."""
 
     def __init__(self, comm, stall_warning_s: Optional[float],
-                 stall_shutdown_s: Optional[float], core=None) -> None:
-        from mpi4py import MPI
-
-        self._MPI = MPI
+                 stall_shutdown_s: Optional[float], core) -> None:
         self._comm = comm
         # The core's AND-allreduce waits as the runtime's wait policy says, GIL released.
         self._core = core
@@ -292,10 +289,7 @@ class Negotiator:
                 if self._joinable(self._cache[name].spec, [self.rank]):
                     mine[cache_id // 64] |= np.uint64(1 << (cache_id % 64))
         words[base:base + n_ids] = mine
-        if self._core is not None:
-            self._core.band_allreduce(words.ctypes.data, words.size)
-        else:
-            self._comm.Allreduce(self._MPI.IN_PLACE, words, op=self._MPI.BAND)
+        self._core.band_allreduce(words.ctypes.data, words.size)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
         outcome = Outcome(flush=bool(words[1]))
         self._note_joined(~words[_HEADER_WORDS:base], outcome, all_idle=bool(words[2]))

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -547,15 +548,12 @@ class Runtime:
         request = requests[0]
         MPI = self._MPI
         dims = request.ready_info.first_dims
-        rest = tuple(request.tensor.shape[1:]) if request.tensor.dim() > 0 else ()
-        row_bytes = request.tensor.element_size()
-        for d in rest:
-            row_bytes *= d
+        rest = tuple(request.tensor.shape[1:])
+        row_bytes = request.tensor.element_size() * math.prod(rest)
         output = torch.empty((sum(dims),) + rest, dtype=request.tensor.dtype)
         counts = [d * row_bytes for d in dims]
-        displacements = list(itertools.accumulate([0] + counts[:-1]))
         self._data_comm.Allgatherv([byte_view(request.tensor), MPI.BYTE],
-                                   [byte_view(output), counts, displacements, MPI.BYTE])
+                                   [byte_view(output), counts, _displacements(counts), MPI.BYTE])
         request.output = output
         self.stats.bytes_sent += sum(counts)
 
@@ -571,17 +569,13 @@ class Runtime:
         sent_rows = [int(n) for n in request.payload["splits"]]
         received_rows = [int(n) for n in self._data_comm.alltoall(sent_rows)]
         rest = tuple(tensor.shape[1:])
-        row_bytes = tensor.element_size()
-        for d in rest:
-            row_bytes *= d
+        row_bytes = tensor.element_size() * math.prod(rest)
         output = torch.empty((sum(received_rows),) + rest, dtype=tensor.dtype)
         send_counts = [n * row_bytes for n in sent_rows]
         recv_counts = [n * row_bytes for n in received_rows]
         self._data_comm.Alltoallv(
-            [byte_view(tensor), send_counts,
-             list(itertools.accumulate([0] + send_counts[:-1])), MPI.BYTE],
-            [byte_view(output), recv_counts,
-             list(itertools.accumulate([0] + recv_counts[:-1])), MPI.BYTE])
+            [byte_view(tensor), send_counts, _displacements(send_counts), MPI.BYTE],
+            [byte_view(output), recv_counts, _displacements(recv_counts), MPI.BYTE])
         request.output = output
         request.payload["received_splits"] = received_rows
         self.stats.bytes_sent += sum(send_counts) - send_counts[self.rank]
@@ -599,9 +593,7 @@ class Runtime:
         base, extra = divmod(tensor.shape[0], self.size)
         rows = [base + (1 if r < extra else 0) for r in range(self.size)]
         rest = tuple(tensor.shape[1:])
-        row_numel = 1
-        for d in rest:
-            row_numel *= d
+        row_numel = math.prod(rest)
         output = torch.empty((rows[self.rank],) + rest, dtype=tensor.dtype)
         wide = tensor.dtype in (torch.float16, torch.bfloat16)
         send = tensor.float() if wide else tensor
@@ -661,6 +653,11 @@ class Runtime:
 
     def _barrier(self, requests: List[Request]) -> None:
         self._data_comm.Barrier()
+
+
+def _displacements(counts: List[int]) -> List[int]:
+    """Where each rank's part starts in a buffer of parts laid end to end."""
+    return list(itertools.accumulate([0] + counts[:-1]))
 
 
 def _contiguous_view(requests: List[Request]) -> Optional[torch.Tensor]:

@@ -183,11 +183,12 @@ def _global_rank() -> int:
 
 def _routed(function):
     """Run `function` on the runtime of its `process_set` argument (global when None)."""
-    signature = inspect.signature(function)
+    # Found by position once: every gradient submission passes through here.
+    position = list(inspect.signature(function).parameters).index("process_set")
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        process_set = signature.bind_partial(*args, **kwargs).arguments.get("process_set")
+        process_set = args[position] if len(args) > position else kwargs.get("process_set")
         runtime = runtime_for(process_set, f"{function.__name__}()")
         if runtime is None:
             return function(*args, **kwargs)
@@ -321,6 +322,17 @@ def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
     return finish
 
 
+def _outputs_on(devices: Sequence[torch.device], single: bool):
+    """Result finisher: each request's output, moved back to its input's device."""
+
+    def finish(requests: List[_rt.Request]):
+        outputs = [r.output.to(d) if d.type != "cpu" else r.output
+                   for r, d in zip(requests, devices)]
+        return outputs[0] if single else outputs
+
+    return finish
+
+
 # ---------------------------------------------------------------------- allreduce
 @_routed
 def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = None, op=None,
@@ -329,12 +341,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = No
     """Start an allreduce of `tensor` into a new tensor; returns a handle."""
     request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
                                  in_place=False)
-    device = tensor.device
-
-    def finish(requests):
-        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
-
-    return _register(_submit([request]), finish)
+    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
 
 
 @_routed
@@ -481,12 +488,7 @@ def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> _rt.Request
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
     """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
     request = _allgather_request(tensor, name)
-    device = tensor.device
-
-    def finish(requests):
-        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
-
-    return _register(_submit([request]), finish)
+    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
 
 
 @_routed
@@ -505,7 +507,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     if reduce_op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"sparse allreduce of '{label}' supports Average and Sum, not "
                          f"{reduce_op.name}")
-    size_ = _rt.get("sparse_allreduce_async()").size
+    _, _, postscale = core_reduction(reduce_op, 1.0, 1.0, _rt.get("sparse_allreduce_async()").size)
     sparse = tensor.coalesce()
     # Allgather concatenates along dim 0, so indices travel as (nnz, ndim) rows.
     requests = [_allgather_request(sparse.indices().t().contiguous(), f"{label}.indices"),
@@ -513,8 +515,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
 
     def finish(done):
         indices, values = done[0].output, done[1].output
-        if reduce_op == ReduceOp.Average:
-            values = values / size_
+        if postscale != 1.0:  # Average
+            values = values * postscale
         return torch.sparse_coo_tensor(indices.t(), values, tensor.shape).to(tensor.device)
 
     return _register(_submit(requests), finish)
@@ -539,17 +541,6 @@ class _AllgatherFunction(torch.autograd.Function):
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0 (differentiable)."""
     return _AllgatherFunction.apply(tensor, name)
-
-
-def _outputs_on(devices: Sequence[torch.device], single: bool):
-    """Result finisher: each request's output, moved back to its input's device."""
-
-    def finish(requests: List[_rt.Request]):
-        outputs = [r.output.to(d) if d.type != "cpu" else r.output
-                   for r, d in zip(requests, devices)]
-        return outputs[0] if single else outputs
-
-    return finish
 
 
 @_routed
@@ -843,12 +834,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
                     process_set=None) -> int:
     """Start broadcasting root's `tensor` into a new tensor on every rank."""
     request = _broadcast_request(tensor, root_rank, name, in_place=False)
-    device = tensor.device
-
-    def finish(requests):
-        return requests[0].output.to(device) if device.type != "cpu" else requests[0].output
-
-    return _register(_submit([request]), finish)
+    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
 
 
 @_routed
