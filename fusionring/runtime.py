@@ -79,7 +79,9 @@ class Request:
     error: Optional[BaseException] = None
     payload: Any = None                  # kind-specific data (e.g. fusion groups)
     # A compressor that reduces inside the runtime: called on the background thread as
-    # communicator(core, buffer, requests) in place of the plain ring allreduce.
+    # communicator(core, buffer, requests) in place of the plain ring allreduce. `buffer` is
+    # the requests' outputs as one tensor when they lie back to back, else None (the
+    # compressor then works on each output where it lies: no pack or unpack copy).
     communicator: Optional[Callable[..., None]] = None
 
     @property
@@ -504,6 +506,8 @@ class Runtime:
             buffer = first.output
         elif contiguous is not None:  # already laid out as one buffer (a plan's group)
             buffer = contiguous
+        elif first.communicator is not None:
+            buffer = None  # the compressor reads and writes the outputs where they lie
         else:
             buffer = self._fusion_buffer(first.output.dtype,
                                          sum(r.output.numel() for r in requests))
@@ -518,16 +522,15 @@ class Runtime:
                                  first.prescale, first.postscale, self.config.ring_segment_bytes,
                                  self.config.small_message_bytes)
         t2 = time.perf_counter()
-        if len(requests) > 1 and contiguous is None:
+        copies = len(requests) > 1 and contiguous is None and buffer is not None
+        if copies:
             _C.unpack(buffer.data_ptr(), [r.output.data_ptr() for r in requests],
                       [r.nbytes for r in requests])
         t3 = time.perf_counter()
-        nbytes = buffer.numel() * buffer.element_size()
-        self._count_batch(requests, nbytes, wire_bytes)
+        self._count_batch(requests, total, wire_bytes)
         timeline = self._timeline
         if timeline is not None:
-            args = {"tensors": len(requests), "bytes": nbytes}
-            copies = len(requests) > 1 and contiguous is None
+            args = {"tensors": len(requests), "bytes": total}
             if copies:
                 timeline.span(lane, "pack", t0, t1, args)
             timeline.span(lane, "reduce", t1, t2, args)

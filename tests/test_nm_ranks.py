@@ -159,6 +159,9 @@ def test_per_rank_mask_allreduce_equals_the_simulated_compressed_ring(tmp_path, 
 SHARED_SCRIPT = '''
 import numpy as np, torch
 import fusionring.torch as hvd
+import fusionring.compression.nm as nm_module
+if CHUNK:  # small pipeline chunks: many encode/reduce/decode stages, one spanning both tensors
+    nm_module.PIPELINE_CHUNK_ELEMENTS = CHUNK
 hvd.init()
 r = hvd.rank()
 def rank_data(rank, step, count):
@@ -187,9 +190,11 @@ report({"outs": outs, "residuals": residuals, "avg": avg.tolist(), "error": erro
 '''
 
 
-def test_shared_mask_allreduce_equals_numpy_masked_sum(tmp_path):
+@pytest.mark.parametrize("chunk", [0, 300])
+def test_shared_mask_allreduce_equals_numpy_masked_sum(tmp_path, chunk):
     P, N, M, steps = 3, 1, 4, 6
-    code = f"import torch\nN, M, VALUES, STEPS = {N}, {M}, torch.float32, {steps}\n" + SHARED_SCRIPT
+    code = (f"import torch\nN, M, VALUES, STEPS, CHUNK = {N}, {M}, torch.float32, {steps}, "
+            f"{chunk}\n" + SHARED_SCRIPT)
     results = run_ranks(P, code, tmp_path, timeout=60)
     for t, (offset, count) in enumerate([(0, 1003), (100, 64)]):
         state, residuals = {}, [np.zeros(count, np.float32) for _ in range(P)]

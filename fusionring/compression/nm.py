@@ -26,9 +26,10 @@ so the sum over ranks of everything sent plus all residuals equals the sum of al
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -37,6 +38,11 @@ from .. import _C
 from .base import Compressor, Memory
 
 MAX_M = 32
+# The shared-mask reduction runs as a pipeline over chunks of about this many dense elements:
+# while the ring carries one chunk, a helper thread encodes the next and decodes the one
+# before, so that CPU work hides behind the transfer instead of adding to it. Chunks are
+# large enough (1 MiB of float16 values for 2:4) that per-message costs stay small.
+PIPELINE_CHUNK_ELEMENTS = 1 << 20
 # torch dtype -> the core's DType code for the value dtypes N:M supports.
 VALUE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -344,6 +350,55 @@ class _Context:
     nm: Tuple[int, int] = (0, 0)
 
 
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    """One tensor of a fused shared-mask reduction."""
+
+    key: Optional[str]
+    state: _TensorState
+    x: torch.Tensor                      # flat float32, reduced in place
+    n: int
+    m: int
+    mask: Optional[torch.Tensor]         # None: sent dense
+    stored: Optional[torch.Tensor]       # last step's residual, added in before selection
+    residual: Optional[torch.Tensor]     # receives this step's (may be `stored`)
+    held: float = 0.0                    # adaptive schedule: squared residual
+    total: float = 0.0                   # adaptive schedule: squared compensated input
+
+
+_helper_lock = threading.Lock()
+_helper: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _pipeline(chunks: int, encode: Callable[[int], None], reduce: Callable[[int], None],
+              decode: Callable[[int], None]) -> None:
+    """encode(k), reduce(k), decode(k) for every chunk, reduce on this thread in chunk order,
+    encode and decode on a helper thread so they overlap the reductions of other chunks."""
+    global _helper
+    if chunks == 1:
+        encode(0)
+        reduce(0)
+        decode(0)
+        return
+    with _helper_lock:
+        if _helper is None:
+            _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusionring-nm")
+        helper = _helper
+    encoded = [helper.submit(encode, 0), helper.submit(encode, 1)]
+    decoded: List[concurrent.futures.Future] = []
+    try:
+        for k in range(chunks):
+            encoded[k].result()
+            reduce(k)
+            decoded.append(helper.submit(decode, k))
+            if k + 2 < chunks:
+                encoded.append(helper.submit(encode, k + 2))
+        for future in decoded:
+            future.result()
+    finally:  # never return while the helper may still touch the buffers
+        concurrent.futures.wait(encoded + decoded)
+
+
 class NMCompressor(Compressor):
     """N:M sparsification as a Horovod compressor that also reduces inside the runtime.
 
@@ -504,9 +559,10 @@ class NMCompressor(Compressor):
             self.schedule.observe(state, held / max(float(x.double().square().sum()), 1e-300))
 
     # ------------------------------------------------------------------ runtime path
-    def communicate(self, core, buffer: torch.Tensor, requests) -> int:
-        """Reduce the fused buffer of `requests` in place (the runtime's background thread);
-        returns the bytes this rank sent."""
+    def communicate(self, core, buffer: Optional[torch.Tensor], requests) -> int:
+        """Reduce the requests' outputs in place (the runtime's background thread); returns the
+        bytes this rank sent. `buffer` is the outputs as one tensor, or None where they lie
+        apart (then each is read and written where it lies)."""
         from ..config import settings
         from ..negotiation import is_cacheable
 
@@ -514,109 +570,162 @@ class NMCompressor(Compressor):
         if first.core_op != 0:
             raise ValueError(f"Compression.nm reduces with Sum or Average only (tensor "
                              f"'{first.name}')")
-        flat = buffer.reshape(-1)
-        work = flat if flat.dtype == torch.float32 else flat.float()
-        segments, offset = [], 0
-        for request in requests:
-            numel = request.output.numel()
-            key = request.name if is_cacheable(request.name) else None
-            segments.append((key, offset, numel))
-            offset += numel
+        sizes = [request.output.numel() for request in requests]
+        if buffer is not None:
+            flat = buffer.reshape(-1)
+            work = flat if flat.dtype == torch.float32 else flat.float()
+            views = list(torch.split(work, sizes))
+        else:
+            outputs = [request.output.reshape(-1) for request in requests]
+            views = [out if out.dtype == torch.float32 else out.float() for out in outputs]
+        keys = [request.name if is_cacheable(request.name) else None for request in requests]
         config = settings()
         with self._lock:
             wire_before = self.stats["wire_bytes"]
-            levels = [self._level(self._state(key)) for key, _, _ in segments]
+            levels = [self._level(self._state(key)) for key in keys]
             ratios: List[Tuple[_TensorState, float, float]] = []
             if self.shared_mask:
-                self._shared_reduce(core, work, segments, levels, first, config, ratios)
+                self._shared_reduce(core, views, keys, levels, first, config, ratios)
             else:
                 start = 0
-                while start < len(segments):  # runs of equal (n, m) reduce together
+                while start < len(views):  # runs of equal (n, m) reduce together
                     end = start + 1
-                    while end < len(segments) and levels[end] == levels[start]:
+                    while end < len(views) and levels[end] == levels[start]:
                         end += 1
-                    self._per_rank_reduce(core, work, segments[start:end], levels[start], first,
-                                          config, ratios)
+                    self._per_rank_reduce(core, views[start:end], keys[start:end],
+                                          levels[start], first, config, ratios)
                     start = end
             if isinstance(self.schedule, AdaptiveSchedule) and ratios:
                 self._adapt(core, ratios, config)
-            for key, _, _ in segments:
+            for key in keys:
                 if key is not None:
                     self._tensors[key].step += 1
             self.stats["reductions"] += 1
-            self.stats["dense_bytes"] += offset * 4
+            self.stats["dense_bytes"] += sum(sizes) * 4
             wire = self.stats["wire_bytes"] - wire_before
-        if work is not flat:
-            flat.copy_(work)
+        if buffer is not None:
+            if work is not flat:
+                flat.copy_(work)
+        else:
+            for out, view in zip(outputs, views):
+                if view is not out:
+                    out.copy_(view)
         return wire
 
-    def _shared_reduce(self, core, work, segments, levels, first, config, ratios) -> None:
+    def _shared_reduce(self, core, views, keys, levels, first, config, ratios) -> None:
         prescale, postscale = first.prescale, first.postscale
-        if prescale != 1.0:
-            work.mul_(prescale)
-        plans = []  # (key, state, x, mask or None, payload offset, kept)
+        code = VALUE_CODES[self.values]
+        esize = torch.empty(0, dtype=self.values).element_size()
+        adaptive = isinstance(self.schedule, AdaptiveSchedule)
+        segments: List[_Segment] = []
+        pieces: List[Tuple[_Segment, int, int, int, int]] = []  # segment, lo, hi, payload at, kept
         total = 0
-        for (key, offset, numel), (n, m) in zip(segments, levels):
+        for x, key, (n, m) in zip(views, keys, levels):
             state = self._state(key)
-            x = work[offset:offset + numel]
-            if self.error_feedback and key is not None:
-                self.memory.compensate_(key, x)  # the residual's buffer is then reused below
+            numel = x.numel()
             mask = self._shared_mask(state, n, m, numel)
-            kept = numel if mask is None else _C.nm_kept_count(numel, n, m)
-            plans.append((key, state, x, mask, total, kept))
-            total += kept
-        payload = torch.empty(total, dtype=self.values)
-        for key, state, x, mask, at, kept in plans:
-            part = payload[at:at + kept]
-            residual = None
+            stored = residual = None
             if self.error_feedback and key is not None:
-                residual = self.memory.residuals.get(key)
-                if residual is None or residual.numel() != x.numel() or residual.is_cuda:
-                    residual = torch.empty(x.numel())
-            if mask is None:
-                part.copy_(x)
-                if residual is not None:
-                    torch.sub(x, part.float(), out=residual)
-            else:
-                gather(x, mask, self.values, residual, out=part)
-            if residual is not None:
-                self.memory.update(key, residual)
-            if isinstance(self.schedule, AdaptiveSchedule) and key is not None:
-                held = float(residual.double().square().sum()) if residual is not None else 0.0
-                ratios.append((state, held, float(x.double().square().sum())))
-        core.allreduce(payload.data_ptr(), payload.numel(), VALUE_CODES[self.values], 0, 1.0, 1.0,
-                       config.ring_segment_bytes, config.small_message_bytes)
-        for key, state, x, mask, at, kept in plans:
-            part = payload[at:at + kept]
-            if postscale != 1.0:  # scale the N/M values, not the dense result: same bits
-                part = part.float() if part.dtype != torch.float32 else part
-                part.mul_(postscale)
-            if mask is None:
-                x.copy_(part)
-            else:
-                scatter(part, mask, x.numel(), out=x)
-            if key is not None:
-                self._update_estimate(state, x, mask)
+                stored = self.memory.residuals.get(key)
+                if stored is not None and (stored.shape != x.shape or stored.is_cuda):
+                    stored = None
+                # what was held back last step is added in, then the buffer holds this step's
+                residual = stored if stored is not None else torch.empty(numel)
+            seg = _Segment(key, state, x, n, m, mask, stored, residual)
+            segments.append(seg)
+            # Pieces start on whole mask words and whole groups, so each is selected and
+            # packed exactly as the whole tensor would be.
+            step = max(64 * m, PIPELINE_CHUNK_ELEMENTS // (64 * m) * 64 * m)
+            for lo in range(0, max(numel, 1), step):
+                hi = min(numel, lo + step)
+                kept = hi - lo if mask is None else _C.nm_kept_count(hi - lo, n, m)
+                pieces.append((seg, lo, hi, total, kept))
+                total += kept
+        payload = torch.empty(total, dtype=self.values)
+        chunks: List[List[Tuple[_Segment, int, int, int, int]]] = [[]]
+        filled = 0
+        for piece in pieces:  # consecutive pieces, about PIPELINE_CHUNK_ELEMENTS dense each
+            if chunks[-1] and filled + piece[2] - piece[1] > PIPELINE_CHUNK_ELEMENTS:
+                chunks.append([])
+                filled = 0
+            chunks[-1].append(piece)
+            filled += piece[2] - piece[1]
+
+        def encode(k: int) -> None:
+            for seg, lo, hi, at, kept in chunks[k]:
+                x = seg.x[lo:hi]
+                if prescale != 1.0:
+                    x.mul_(prescale)
+                if seg.stored is not None:
+                    x.add_(seg.stored[lo:hi])
+                part = payload[at:at + kept]
+                if seg.mask is None:
+                    part.copy_(x)
+                    if seg.residual is not None:
+                        torch.sub(x, part.float(), out=seg.residual[lo:hi])
+                else:
+                    words = seg.mask.data_ptr() + lo // 64 * 8
+                    _C.nm_select_by_wait(seg.state.estimate.data_ptr() + 4 * lo,
+                                         seg.state.wait.data_ptr() + 4 * lo, hi - lo, seg.n,
+                                         seg.m, words)
+                    _C.nm_gather(x.data_ptr(), 0, hi - lo, words, part.data_ptr(), code,
+                                 0 if seg.residual is None else seg.residual.data_ptr() + 4 * lo)
+                if adaptive and seg.key is not None:
+                    seg.held += (float(seg.residual[lo:hi].double().square().sum())
+                                 if seg.residual is not None else 0.0)
+                    seg.total += float(x.double().square().sum())
+
+        def reduce(k: int) -> None:
+            lo, hi = chunks[k][0][3], chunks[k][-1][3] + chunks[k][-1][4]
+            if hi == lo:  # only empty tensors: the same on every rank
+                return
+            core.allreduce(payload.data_ptr() + lo * esize, hi - lo, code, 0, 1.0, 1.0,
+                           config.ring_segment_bytes, config.small_message_bytes)
+
+        def decode(k: int) -> None:
+            for seg, lo, hi, at, kept in chunks[k]:
+                x = seg.x[lo:hi]
+                part = payload[at:at + kept]
+                if postscale != 1.0:  # scale the N/M values, not the dense result: same bits
+                    part = part.float() if part.dtype != torch.float32 else part
+                    part.mul_(postscale)
+                if seg.mask is None:
+                    x.copy_(part)
+                    continue
+                words = seg.mask.data_ptr() + lo // 64 * 8
+                _C.nm_scatter(part.data_ptr(), VALUE_CODES[part.dtype], words, hi - lo,
+                              x.data_ptr(), 0)
+                _C.nm_track(seg.state.estimate.data_ptr() + 4 * lo,
+                            seg.state.wait.data_ptr() + 4 * lo, x.data_ptr(), words, hi - lo)
+
+        _pipeline(len(chunks), encode, reduce, decode)
+        for seg in segments:
+            if seg.residual is not None:
+                self.memory.update(seg.key, seg.residual)
+            if seg.key is not None and seg.mask is None:
+                self._update_estimate(seg.state, seg.x, None)
+            if adaptive and seg.key is not None:
+                ratios.append((seg.state, seg.held, seg.total))
         size = getattr(core, "size", 1)
         self.stats["payload_bytes"] += payload.numel() * payload.element_size()
         self.stats["wire_bytes"] += (payload.numel() * payload.element_size()
                                      * 2 * (size - 1) // max(size, 1))
 
-    def _per_rank_reduce(self, core, work, segments, level, first, config, ratios) -> None:
+    def _per_rank_reduce(self, core, views, keys, level, first, config, ratios) -> None:
         n, m = level
         if n == m:  # dense: the shared path with no mask does exactly that
-            return self._shared_reduce(core, work, segments, [level] * len(segments), first,
+            return self._shared_reduce(core, views, keys, [level] * len(views), first,
                                        config, ratios)
-        lo = segments[0][1]
-        hi = segments[-1][1] + segments[-1][2]
-        sub = work[lo:hi]
+        sizes = [x.numel() for x in views]
+        sub = views[0] if len(views) == 1 else torch.cat(views)  # one compressed ring
+        offsets = np.cumsum([0] + sizes[:-1]).tolist()
         residual = None
         adaptive = isinstance(self.schedule, AdaptiveSchedule)
         if self.error_feedback:
-            residual = torch.empty(hi - lo)
-            for key, offset, numel in segments:
+            residual = torch.empty(sub.numel())
+            for key, offset, numel in zip(keys, offsets, sizes):
                 stored = self.memory.residuals.get(key) if key is not None else None
-                part = residual[offset - lo:offset - lo + numel]
+                part = residual[offset:offset + numel]
                 if stored is not None and stored.numel() == numel:
                     part.copy_(stored.reshape(-1))
                 else:
@@ -626,10 +735,13 @@ class NMCompressor(Compressor):
         out = core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
                                 residual.data_ptr() if residual is not None else 0,
                                 first.prescale, first.postscale, config.ring_segment_bytes)
-        for key, offset, numel in segments:
+        if sub is not views[0]:
+            for x, offset, numel in zip(views, offsets, sizes):
+                x.copy_(sub[offset:offset + numel])
+        for key, offset, numel in zip(keys, offsets, sizes):
             if key is None:
                 continue
-            part = slice(offset - lo, offset - lo + numel)
+            part = slice(offset, offset + numel)
             if residual is not None:
                 stored = self.memory.residuals.get(key)
                 if stored is not None and stored.numel() == numel and not stored.is_cuda:
@@ -642,8 +754,8 @@ class NMCompressor(Compressor):
                 ratios.append((self._state(key), held,
                                float(compensated[part].double().square().sum())))
         self.stats["payload_bytes"] += (
-            _C.nm_kept_count(hi - lo, n, m) * torch.empty(0, dtype=self.values).element_size()
-            + 8 * _C.nm_mask_words(hi - lo))
+            _C.nm_kept_count(sub.numel(), n, m) * torch.empty(0, dtype=self.values).element_size()
+            + 8 * _C.nm_mask_words(sub.numel()))
         self.stats["wire_bytes"] += out["bytes_sent"]
 
     def _adapt(self, core, ratios, config) -> None:
