@@ -399,6 +399,26 @@ def _pipeline(chunks: int, encode: Callable[[int], None], reduce: Callable[[int]
         concurrent.futures.wait(encoded + decoded)
 
 
+def _chunks(pieces: list, count: int) -> List[list]:
+    """Consecutive pieces grouped into pipeline chunks. The first and last chunks are a quarter
+    of the others: the first encode and the last decode are the only ones nothing hides."""
+    full = PIPELINE_CHUNK_ELEMENTS
+    if count <= full:
+        return [pieces]
+    middle = count - full // 2
+    parts = max(1, -(-middle // full))
+    ends = [full // 4] + [full // 4 + middle * (i + 1) // parts for i in range(parts)] + [count]
+    chunks: List[list] = [[]]
+    done = 0
+    for piece in pieces:  # a piece goes to the chunk its middle falls in
+        middle_at = done + (piece[2] - piece[1]) / 2
+        if chunks[-1] and middle_at >= ends[len(chunks) - 1]:
+            chunks.append([])
+        chunks[-1].append(piece)
+        done += piece[2] - piece[1]
+    return chunks
+
+
 class NMCompressor(Compressor):
     """N:M sparsification as a Horovod compressor that also reduces inside the runtime.
 
@@ -635,21 +655,14 @@ class NMCompressor(Compressor):
             segments.append(seg)
             # Pieces start on whole mask words and whole groups, so each is selected and
             # packed exactly as the whole tensor would be.
-            step = max(64 * m, PIPELINE_CHUNK_ELEMENTS // (64 * m) * 64 * m)
+            step = max(64 * m, PIPELINE_CHUNK_ELEMENTS // 4 // (64 * m) * 64 * m)
             for lo in range(0, max(numel, 1), step):
                 hi = min(numel, lo + step)
                 kept = hi - lo if mask is None else _C.nm_kept_count(hi - lo, n, m)
                 pieces.append((seg, lo, hi, total, kept))
                 total += kept
         payload = torch.empty(total, dtype=self.values)
-        chunks: List[List[Tuple[_Segment, int, int, int, int]]] = [[]]
-        filled = 0
-        for piece in pieces:  # consecutive pieces, about PIPELINE_CHUNK_ELEMENTS dense each
-            if chunks[-1] and filled + piece[2] - piece[1] > PIPELINE_CHUNK_ELEMENTS:
-                chunks.append([])
-                filled = 0
-            chunks[-1].append(piece)
-            filled += piece[2] - piece[1]
+        chunks = _chunks(pieces, sum(x.numel() for x in views))
 
         def encode(k: int) -> None:
             for seg, lo, hi, at, kept in chunks[k]:
