@@ -540,7 +540,7 @@ class NMCompressor(Compressor):
     def _shared_mask(self, state: _TensorState, n: int, m: int, count: int,
                      device: torch.device = torch.device("cpu")) -> Optional[torch.Tensor]:
         """The mask every rank derives alike, or None to send dense (no estimate yet, n == m)."""
-        if n == m or state.estimate is None or state.estimate.numel() != count:
+        if not self._masked(state, n, m, count):
             return None
         if state.estimate.device != device:
             state.estimate, state.wait = state.estimate.to(device), state.wait.to(device)
@@ -551,6 +551,10 @@ class NMCompressor(Compressor):
             return mask
         score = state.estimate.abs().mul_(state.wait + 1.0)
         return select_mask(score, n, m)
+
+    @staticmethod
+    def _masked(state: _TensorState, n: int, m: int, count: int) -> bool:
+        return n != m and state.estimate is not None and state.estimate.numel() == count
 
     @staticmethod
     def _update_estimate(state: _TensorState, reduced: torch.Tensor,
@@ -643,12 +647,16 @@ class NMCompressor(Compressor):
         for x, key, (n, m) in zip(views, keys, levels):
             state = self._state(key)
             numel = x.numel()
-            mask = self._shared_mask(state, n, m, numel)
+            mask = None
+            if self._masked(state, n, m, numel):  # selected a chunk at a time by the pipeline
+                mask = torch.empty(_C.nm_mask_words(numel), dtype=torch.int64)
+                if state.estimate.is_cuda:
+                    state.estimate, state.wait = state.estimate.cpu(), state.wait.cpu()
             stored = residual = None
             if self.error_feedback and key is not None:
                 stored = self.memory.residuals.get(key)
-                if stored is not None and (stored.shape != x.shape or stored.is_cuda):
-                    stored = None
+                if stored is not None:
+                    stored = stored.cpu() if stored.shape == x.shape else None
                 # what was held back last step is added in, then the buffer holds this step's
                 residual = stored if stored is not None else torch.empty(numel)
             seg = _Segment(key, state, x, n, m, mask, stored, residual)
