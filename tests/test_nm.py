@@ -410,3 +410,50 @@ def test_compressor_keeps_cuda_tensors_on_the_device():
     assert out.is_cuda
     keep = ref_keep(g.cpu().numpy(), 2, 4)
     assert np.array_equal(out.cpu().numpy(), np.where(keep, g.cpu().numpy(), 0))
+
+
+# ---------------------------------------------------------------------- the shared-mask pipeline
+def _run_pipeline(chunks, fail_at=None):
+    import threading
+    events, lock = [], threading.Lock()
+
+    def stage(tag):
+        def run(k):
+            with lock:
+                events.append((tag, k))
+            if (tag, k) == fail_at:
+                raise RuntimeError(f"{tag}{k} failed")
+        return run
+
+    error = None
+    try:
+        nmlib._pipeline(chunks, stage("encode"), stage("reduce"), stage("decode"))
+    except RuntimeError as exc:
+        error = str(exc)
+    return events, error
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_pipeline_runs_each_stage_once_in_dependency_order(chunks):
+    events, error = _run_pipeline(chunks)
+    assert error is None
+    assert sorted(events) == sorted((t, k) for t in ("encode", "reduce", "decode")
+                                    for k in range(chunks))
+    assert [k for t, k in events if t == "reduce"] == list(range(chunks))
+    for k in range(chunks):
+        assert events.index(("encode", k)) < events.index(("reduce", k)) < events.index(
+            ("decode", k))
+
+
+def test_pipeline_hands_on_a_stage_error_after_the_helper_is_done(monkeypatch):
+    events, error = _run_pipeline(4, fail_at=("encode", 2))
+    assert error == "encode2 failed"
+    assert ("reduce", 2) not in events and ("reduce", 3) not in events
+
+    class Refusing:  # an executor at interpreter shutdown
+        def submit(self, *args):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(nmlib, "_helper", Refusing())
+    events, error = _run_pipeline(3)
+    assert error is None and len(events) == 9

@@ -384,15 +384,28 @@ def _pipeline(chunks: int, encode: Callable[[int], None], reduce: Callable[[int]
         if _helper is None:
             _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusionring-nm")
         helper = _helper
-    encoded = [helper.submit(encode, 0), helper.submit(encode, 1)]
+
+    def submit(stage: Callable[[int], None], k: int) -> concurrent.futures.Future:
+        try:
+            return helper.submit(stage, k)
+        except RuntimeError:  # the interpreter is shutting down: run it here instead
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                stage(k)
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed on through the future
+                done.set_exception(exc)
+            return done
+
+    encoded = [submit(encode, 0), submit(encode, 1)]
     decoded: List[concurrent.futures.Future] = []
     try:
         for k in range(chunks):
             encoded[k].result()
             reduce(k)
-            decoded.append(helper.submit(decode, k))
+            decoded.append(submit(decode, k))
             if k + 2 < chunks:
-                encoded.append(helper.submit(encode, k + 2))
+                encoded.append(submit(encode, k + 2))
         for future in decoded:
             future.result()
     finally:  # never return while the helper may still touch the buffers
