@@ -501,7 +501,7 @@ class Runtime:
                                     {"tensors": len(requests), "bytes": total,
                                      "transport": "shared memory"})
             return
-        contiguous = _contiguous_view(requests)
+        contiguous = contiguous_view([r.output for r in requests])
         if len(requests) == 1:
             buffer = first.output
         elif contiguous is not None:  # already laid out as one buffer (a plan's group)
@@ -663,19 +663,18 @@ def _displacements(counts: List[int]) -> List[int]:
     return list(itertools.accumulate([0] + counts[:-1]))
 
 
-def _contiguous_view(requests: List[Request]) -> Optional[torch.Tensor]:
-    """One tensor over the requests' outputs when they lie back to back, in order, in
-    one storage (so the reduction needs no pack or unpack); else None."""
-    first = requests[0].output
+def contiguous_view(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat tensor over `tensors` when they lie back to back, in order, in one storage
+    (so a reduction needs no pack or unpack); else None."""
+    first = tensors[0]
     storage = first.untyped_storage().data_ptr()
     end = first.data_ptr()
-    for request in requests:
-        out = request.output
-        if (out.dtype != first.dtype or out.data_ptr() != end or not out.is_contiguous()
-                or out.untyped_storage().data_ptr() != storage):
+    for tensor in tensors:
+        if (tensor.dtype != first.dtype or tensor.data_ptr() != end or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != storage):
             return None
-        end += request.nbytes
-    numel = sum(r.output.numel() for r in requests)
+        end += tensor.numel() * tensor.element_size()
+    numel = sum(t.numel() for t in tensors)
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 

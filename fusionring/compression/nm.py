@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..runtime import contiguous_view
 from .base import Compressor, Memory
 
 MAX_M = 32
@@ -608,13 +609,9 @@ class NMCompressor(Compressor):
             raise ValueError(f"Compression.nm reduces with Sum or Average only (tensor "
                              f"'{first.name}')")
         sizes = [request.output.numel() for request in requests]
-        if buffer is not None:
-            flat = buffer.reshape(-1)
-            work = flat if flat.dtype == torch.float32 else flat.float()
-            views = list(torch.split(work, sizes))
-        else:
-            outputs = [request.output.reshape(-1) for request in requests]
-            views = [out if out.dtype == torch.float32 else out.float() for out in outputs]
+        outputs = ([request.output.reshape(-1) for request in requests] if buffer is None
+                   else list(torch.split(buffer.reshape(-1), sizes)))
+        views = [out if out.dtype == torch.float32 else out.float() for out in outputs]
         keys = [request.name if is_cacheable(request.name) else None for request in requests]
         config = settings()
         with self._lock:
@@ -640,13 +637,9 @@ class NMCompressor(Compressor):
             self.stats["reductions"] += 1
             self.stats["dense_bytes"] += sum(sizes) * 4
             wire = self.stats["wire_bytes"] - wire_before
-        if buffer is not None:
-            if work is not flat:
-                flat.copy_(work)
-        else:
-            for out, view in zip(outputs, views):
-                if view is not out:
-                    out.copy_(view)
+        for out, view in zip(outputs, views):
+            if view is not out:  # a 16-bit gradient was reduced in float32
+                out.copy_(view)
         return wire
 
     def _shared_reduce(self, core, views, keys, levels, first, config, ratios) -> None:
@@ -751,7 +744,9 @@ class NMCompressor(Compressor):
             return self._shared_reduce(core, views, keys, [level] * len(views), first,
                                        config, ratios)
         sizes = [x.numel() for x in views]
-        sub = views[0] if len(views) == 1 else torch.cat(views)  # one compressed ring
+        sub = contiguous_view(views)  # one compressed ring over all of them
+        if sub is None:
+            sub = torch.cat(views)
         offsets = np.cumsum([0] + sizes[:-1]).tolist()
         residual = None
         adaptive = isinstance(self.schedule, AdaptiveSchedule)
@@ -769,7 +764,7 @@ class NMCompressor(Compressor):
         out = core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
                                 residual.data_ptr() if residual is not None else 0,
                                 first.prescale, first.postscale, config.ring_segment_bytes)
-        if sub is not views[0]:
+        if sub.data_ptr() != views[0].data_ptr():  # reduced in a copy
             for x, offset, numel in zip(views, offsets, sizes):
                 x.copy_(sub[offset:offset + numel])
         for key, offset, numel in zip(keys, offsets, sizes):
