@@ -35,6 +35,10 @@ class Settings:
 
     cycle_time_ms: float = 1.0
     fusion_threshold_bytes: int = 64 * 1024 * 1024
+    # A tensor at least this large is reduced where it lies rather than copied into the
+    # threshold-fusion buffer and back: those two copies cost more than the collective's fixed
+    # cost they save (0: copy every tensor, as Horovod does).
+    pack_limit_bytes: int = 4 * 1024 * 1024
     timeline_path: Optional[str] = None
     stall_warning_s: Optional[float] = 60.0
     stall_shutdown_s: Optional[float] = None
@@ -60,6 +64,7 @@ def _from_environment() -> Settings:
     return Settings(
         cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, float),
         fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, int),
+        pack_limit_bytes=_read("PACK_LIMIT", d.pack_limit_bytes, int),
         timeline_path=_read("TIMELINE", d.timeline_path, str),
         stall_warning_s=_read("STALL_WARNING_S", d.stall_warning_s, _optional_seconds),
         stall_shutdown_s=_read("STALL_SHUTDOWN_S", d.stall_shutdown_s, _optional_seconds),

@@ -29,7 +29,7 @@ from .config import Settings, settings
 from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from .negotiation import Negotiator, Ready, TensorSpec
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
-from .scheduler import Entry, FusionScheduler
+from .scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from .timeline import Timeline
 
 _SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
@@ -446,13 +446,34 @@ class Runtime:
                       for r in ready if r.spec.kind == "allreduce" and r.core_op != ADASUM_CODE]
         if reductions or flush:
             for batch in self._scheduler.schedule(reductions, flush=flush):
-                self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
+                for part in self._transfers(batch):
+                    self._guarded(part, self._allreduce_batch)
         for request in ready:
             run = self._collectives.get(request.spec.kind)
             if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
                 run = self._adasum  # per tensor: its coefficients come from its own norms
             if run is not None:
                 self._guarded([request], run)
+
+    def _transfers(self, batch: FusedBatch) -> List[List[Request]]:
+        """The collectives that carry one scheduled batch, the same on every rank.
+
+        A threshold batch goes through the fusion buffer, so its tensors of at least
+        pack_limit_bytes are reduced on their own where they lie instead: copying them in and
+        out costs more than the collective it saves. Plan groups lie in one buffer already, and
+        compressors and the shared-memory window read the tensors where they lie, so those
+        batches stay whole. Only sizes and settings decide, never addresses: every rank splits
+        alike.
+        """
+        requests = [e.payload for e in batch.entries]
+        limit = self.config.pack_limit_bytes
+        if (batch.kind != THRESHOLD or limit <= 0 or requests[0].communicator is not None
+                or (self._shm is not None
+                    and sum(r.nbytes for r in requests) > self.config.small_message_bytes)):
+            return [requests]
+        small = [r for r in requests if r.nbytes < limit]
+        large = [[r] for r in requests if r.nbytes >= limit]
+        return ([small] if small else []) + large
 
     def _guarded(self, requests: List[Request], run) -> None:
         try:

@@ -182,3 +182,32 @@ def test_plan_gradients_live_in_their_group_buffer(tmp_path):
         assert out["groups"] >= 2 and out["one storage per group"] is True
         for a, b in zip(out["plan"], out["threshold"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+
+MIXED_SIZES = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+sizes = [10, 3000, 7, 5000, 20, 1100, 4]          # float32 elements; limit is 4096 bytes
+tensors = [torch.arange(n, dtype=torch.float32) % 97 + hvd.rank() for n in sizes]
+handles = [hvd.allreduce_async_(t, name=f"mixed.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+for h in handles:
+    hvd.synchronize(h)
+stats = hvd.communication_stats()
+report({"values": [t.tolist() for t in tensors], "batch_bytes": stats["batch_bytes"]})
+'''
+
+
+def test_large_tensors_are_reduced_where_they_lie_not_packed(tmp_path):
+    env = {"FUSIONRING_PACK_LIMIT": "4096", "FUSIONRING_SHARED_MEMORY": "off",
+           "FUSIONRING_CYCLE_TIME_MS": "20"}
+    results = run_ranks(3, MIXED_SIZES, tmp_path, timeout=60, env=env)
+    sizes = [10, 3000, 7, 5000, 20, 1100, 4]
+    large = sorted(4 * n for n in sizes if 4 * n >= 4096)
+    for out in results:
+        for n, got in zip(sizes, out["values"]):
+            base = torch.arange(n, dtype=torch.float64) % 97
+            assert got == (3 * base + 0 + 1 + 2).tolist()
+        # every buffer of at least the limit is exactly one large tensor, reduced on its own
+        assert sorted(b for b in out["batch_bytes"] if b >= 4096) == large
+        assert sum(out["batch_bytes"]) == 4 * sum(sizes)
