@@ -468,8 +468,7 @@ class Runtime:
         requests = [e.payload for e in batch.entries]
         limit = self.config.pack_limit_bytes
         if (batch.kind != THRESHOLD or limit <= 0 or requests[0].communicator is not None
-                or (self._shm is not None
-                    and sum(r.nbytes for r in requests) > self.config.small_message_bytes)):
+                or self._through_shared_memory(requests)):
             return [requests]
         small = [r for r in requests if r.nbytes < limit]
         large = [[r] for r in requests if r.nbytes >= limit]
@@ -502,14 +501,17 @@ class Runtime:
             self._fusion_buffers[dtype] = buffer
         return buffer[:numel]
 
+    def _through_shared_memory(self, requests: List[Request]) -> bool:
+        return (self._shm is not None and requests[0].communicator is None
+                and sum(r.nbytes for r in requests) > self.config.small_message_bytes)
+
     def _allreduce_batch(self, requests: List[Request]) -> None:
         first = requests[0]
         code = DTYPE_CODES[first.output.dtype]
         lane = first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
         t0 = time.perf_counter()
         total = sum(r.nbytes for r in requests)
-        if (self._shm is not None and first.communicator is None
-                and total > self.config.small_message_bytes):
+        if self._through_shared_memory(requests):
             # Reduced where they lie: the window's copy in and out replaces pack and unpack.
             self._shm.allreduce([r.output.data_ptr() for r in requests],
                                 [r.nbytes for r in requests], code, first.core_op,
