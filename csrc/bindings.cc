@@ -194,7 +194,9 @@ PYBIND11_MODULE(_C, m) {
       .value("bfloat16", DType::kBFloat16)
       .value("int32", DType::kInt32)
       .value("int64", DType::kInt64)
-      .value("uint8", DType::kUInt8);
+      .value("uint8", DType::kUInt8)
+      .value("int8", DType::kInt8)
+      .value("int16", DType::kInt16);
   py::enum_<ReduceOp>(m, "ReduceOp")
       .value("sum", ReduceOp::kSum)
       .value("min", ReduceOp::kMin)

@@ -17,6 +17,8 @@ enum class DType : int {
   kInt32 = 4,
   kInt64 = 5,
   kUInt8 = 6,
+  kInt8 = 7,
+  kInt16 = 8,
 };
 
 enum class ReduceOp : int { kSum = 0, kMin = 1, kMax = 2, kProduct = 3 };
@@ -32,7 +34,7 @@ struct CommunicationError : std::runtime_error {
 };
 
 inline DType dtype_from_int(int value) {
-  if (value < 0 || value > static_cast<int>(DType::kUInt8)) {
+  if (value < 0 || value > static_cast<int>(DType::kInt16)) {
     throw InvalidArgument("unknown dtype code " + std::to_string(value));
   }
   return static_cast<DType>(value);
@@ -54,6 +56,8 @@ inline std::size_t element_size(DType t) {
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
+    case DType::kInt8: return 1;
+    case DType::kInt16: return 2;
   }
   throw InvalidArgument("unknown dtype");
 }
@@ -67,6 +71,8 @@ inline const char* dtype_name(DType t) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
   }
   return "unknown";
 }

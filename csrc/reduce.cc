@@ -109,6 +109,12 @@ void reduce_dispatch(void* dst, const void* src, std::size_t n, DType dtype) {
     case DType::kUInt8:
       return reduce_native<std::uint8_t, Op>(static_cast<std::uint8_t*>(dst),
                                              static_cast<const std::uint8_t*>(src), n);
+    case DType::kInt8:
+      return reduce_native<std::int8_t, Op>(static_cast<std::int8_t*>(dst),
+                                            static_cast<const std::int8_t*>(src), n);
+    case DType::kInt16:
+      return reduce_native<std::int16_t, Op>(static_cast<std::int16_t*>(dst),
+                                             static_cast<const std::int16_t*>(src), n);
     case DType::kFloat16:
 #ifdef FUSIONRING_X86
       if (cpu_has_f16c()) {
@@ -161,6 +167,10 @@ void scale_in_place(void* buf, std::size_t count, DType dtype, double factor) {
       return scale_native<std::int64_t, double>(static_cast<std::int64_t*>(buf), count, factor);
     case DType::kUInt8:
       return scale_native<std::uint8_t, double>(static_cast<std::uint8_t*>(buf), count, factor);
+    case DType::kInt8:
+      return scale_native<std::int8_t, double>(static_cast<std::int8_t*>(buf), count, factor);
+    case DType::kInt16:
+      return scale_native<std::int16_t, double>(static_cast<std::int16_t*>(buf), count, factor);
     case DType::kFloat16:
 #ifdef FUSIONRING_X86
       if (cpu_has_f16c()) {

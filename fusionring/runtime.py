@@ -39,7 +39,7 @@ _QUIET_BACKOFF = 10
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
     torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-    torch.int32: 4, torch.int64: 5, torch.uint8: 6,
+    torch.int32: 4, torch.int64: 5, torch.uint8: 6, torch.int8: 7, torch.int16: 8,
 }
 
 
@@ -377,7 +377,13 @@ class Runtime:
                     for request in ready:
                         waited = time.monotonic() - request.submitted_at
                         timeline.span(request.name, "negotiate", now - waited, now)
-                self._execute(ready, outcome.flush)
+                try:
+                    self._execute(ready, outcome.flush)
+                except Exception as exc:  # noqa: BLE001 - peers must hear of it, not hang
+                    self._fail_everything(FusionRingError(
+                        f"fusionring background loop failed on rank {self.rank}: {exc}"))
+                    self._farewell()
+                    return
                 if outcome.join_done and self._join_request is not None:
                     self._join_request.payload = outcome.last_joined
                     self._complete(self._join_request)
@@ -388,6 +394,15 @@ class Runtime:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
                                                   f"{self.rank}: {exc}"))
+
+    def _farewell(self) -> None:
+        """One last cycle that raises the shutdown flag, so peers fail their pending
+        operations naming this rank instead of waiting for it."""
+        try:
+            self._negotiator.cycle([], flush=False, shutdown=True, stall_check=False,
+                                   joined=False, idle=True)
+        except Exception:  # noqa: BLE001 - the error itself has been reported already
+            pass
 
     def _stand_in(self, item: Ready) -> Request:
         """This joined rank's part in an operation it never submitted: zeros to reduce, no

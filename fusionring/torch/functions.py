@@ -88,6 +88,8 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
+    """True when MPI runs with MPI_THREAD_MULTIPLE."""
+    _rt.get("mpi_threads_supported()")
     from mpi4py import MPI
 
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -239,11 +241,17 @@ def _full_name(kind: str, name: Optional[str]) -> str:
     return f"{kind}.{name}"
 
 
-def _host(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """A contiguous CPU tensor holding the data (device tensors are staged through host)."""
+def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor:
+    """A contiguous CPU tensor holding the data (device tensors are staged through host).
+
+    `reduced`: the core combines the values, so the dtype must be one it reduces; data
+    that is only moved (broadcast, allgather, alltoall) travels as bytes, any dtype
+    (bool masks and int8 buffers in a state_dict, for example).
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
-    _rt.check_dtype(tensor, name)
+    if reduced:
+        _rt.check_dtype(tensor, name)
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
     return tensor.detach().to("cpu").contiguous()
@@ -477,7 +485,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
 def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> _rt.Request:
     _rt.get("allgather")
     full = _full_name("allgather", name)
-    host = _host(tensor, name or full)
+    host = _host(tensor, name or full, reduced=False)
     if host.dim() == 0:
         host = host.reshape(1)
     spec = TensorSpec("allgather", _rt.dtype_name(tensor.dtype), tuple(host.shape))
@@ -627,7 +635,7 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> _rt.
     runtime = _rt.get("alltoall")
     what = _described("alltoall", name)
     # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
-    host = _host(tensor, name if name is not None else "(unnamed)")
+    host = _host(tensor, name if name is not None else "(unnamed)", reduced=False)
     if host.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to split")
     sent = _alltoall_splits(splits, host.shape[0], runtime.size, what)
@@ -822,7 +830,7 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
     elif not 0 <= root < runtime.size:
         raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size} ranks")
     full = _full_name("broadcast", name)
-    host = _host(tensor, name or full)
+    host = _host(tensor, name or full, reduced=False)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     spec = TensorSpec("broadcast", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
                       root=root)
@@ -874,8 +882,9 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def broadcast_parameters(params, root_rank: int) -> None:
-    """Broadcast a state_dict or (name, tensor) pairs from root, in place."""
+def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
+    """Broadcast a state_dict or (name, tensor) pairs from root, in place (to the ranks of
+    `process_set` only, when given)."""
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, Iterable):
@@ -890,15 +899,17 @@ def broadcast_parameters(params, root_rank: int) -> None:
                              f"not a tensor")
         handles.append(broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p,
                                         root_rank, name=None if name is None else
-                                        f"parameter.{name}"))
+                                        f"parameter.{name}", process_set=process_set))
     for h in handles:
         synchronize(h)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Make every rank's optimizer state (and hyper-parameters) equal to root's."""
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set=None) -> None:
+    """Make every rank's (or every `process_set` member's) optimizer state and
+    hyper-parameters equal to root's."""
     state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
-                             name="optimizer_state")
+                             name="optimizer_state", process_set=process_set)
     if rank() != root_rank:
         optimizer.load_state_dict(state)
 

@@ -308,6 +308,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if errors:
             raise errors[0]
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate locally before gradients are reduced."""
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        self.backward_passes_per_step = int(passes)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """Inside this block, step() does not synchronize (call synchronize() yourself)."""

@@ -1,0 +1,150 @@
+"""Horovod behaviours ordinary scripts rely on, checked against independent references:
+state_dicts with bool/int8 buffers broadcast, set_backward_passes_per_step, the broadcast
+helpers on a process set, and errors before init()."""
+import inspect
+
+import torch
+
+from conftest import run_ranks
+
+
+def _buffered_model(seed: int) -> torch.nn.Module:
+    """A GPT-style block: float parameters plus a bool causal mask and an int8 buffer."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("mask", torch.rand(4, 4) > 0.5)
+    model.register_buffer("codes", torch.randint(-100, 100, (6,), dtype=torch.int8))
+    model.register_buffer("small", torch.randint(-1000, 1000, (3,), dtype=torch.int16))
+    return model
+
+
+def test_broadcast_parameters_and_gathers_move_any_dtype(tmp_path):
+    code = f'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+exec({inspect.getsource(_buffered_model)!r})
+model = _buffered_model(10 + r)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+mask = hvd.allgather(torch.tensor([[r % 2 == 0, True]]))
+codes = hvd.allgather(torch.tensor([r - 3], dtype=torch.int8))
+flags = hvd.broadcast(torch.tensor([r == 1, False]), root_rank=1)
+moved = hvd.alltoall(torch.arange(2 * hvd.size(), dtype=torch.int16) + 100 * r)
+try:
+    hvd.allreduce(torch.ones(2, dtype=torch.bool), name="bool_sum")
+    refused = None
+except ValueError as exc:
+    refused = str(exc)
+after = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item()
+report({{"state": {{k: v.tolist() for k, v in model.state_dict().items()}},
+         "mask": mask.tolist(), "codes": codes.tolist(), "flags": flags.tolist(),
+         "moved": moved.tolist(), "refused": refused, "after": after}})
+'''
+    size = 2
+    results = run_ranks(size, code, tmp_path)
+    root = _buffered_model(10)
+    for r, got in enumerate(results):
+        for key, value in root.state_dict().items():
+            assert got["state"][key] == value.tolist(), (r, key)
+        assert got["mask"] == [[q % 2 == 0, True] for q in range(size)]
+        assert got["codes"] == [q - 3 for q in range(size)]
+        assert got["flags"] == [True, False]
+        assert got["moved"] == [2 * r + i + 100 * q for q in range(size) for i in range(2)]
+        assert got["refused"] is not None and "bool" in got["refused"]
+        assert got["after"] == sum(range(size))
+
+
+def _reference(world: int, steps: int, passes: int, batch: int):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(11)
+    data = torch.randn(steps, passes, world * batch, 5, generator=g)
+    for s in range(steps):
+        opt.zero_grad()
+        for k in range(passes):  # local sums over passes, averaged over ranks
+            loss = sum(model(data[s, k, q * batch:(q + 1) * batch]).pow(2).mean()
+                       for q in range(world)) / world
+            loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_set_backward_passes_per_step_and_errors_before_init(tmp_path):
+    steps, passes, batch = 3, 2, 4
+    code = f'''
+import inspect
+
+import torch
+import fusionring.torch as hvd
+try:
+    hvd.mpi_threads_supported()
+    before_init = None
+except ValueError as exc:
+    before_init = str(exc)
+hvd.init()
+r, W = hvd.rank(), hvd.size()
+torch.manual_seed(3)
+model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05),
+                               named_parameters=model.named_parameters())
+facts = [isinstance(opt, torch.optim.Optimizer), isinstance(opt, hvd.DistributedOptimizer)]
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+opt.set_backward_passes_per_step({passes})
+g = torch.Generator().manual_seed(11)
+data = torch.randn({steps}, {passes}, W * {batch}, 5, generator=g)
+for s in range({steps}):
+    opt.zero_grad()
+    for k in range({passes}):
+        model(data[s, k, r * {batch}:(r + 1) * {batch}]).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+report({{"before_init": before_init, "facts": facts,
+         "params": [p.detach().tolist() for p in model.parameters()]}})
+'''
+    size = 2
+    results = run_ranks(size, code, tmp_path)
+    reference = _reference(size, steps, passes, batch)
+    for got in results:
+        assert got["before_init"] is not None and "init()" in got["before_init"]
+        assert got["facts"] == [True, True]
+        for value, expected in zip(got["params"], reference):
+            assert torch.allclose(torch.tensor(value), expected, atol=1e-5, rtol=1e-4)
+
+
+def _stepped(seed: int):
+    """A model and an Adam optimizer with state (one step taken), from `seed`."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * seed)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_broadcast_helpers_take_a_process_set(tmp_path):
+    code = f'''
+import torch
+import fusionring.torch as hvd
+members = hvd.ProcessSet([1, 3])
+hvd.init(process_sets=[members])
+r = hvd.rank()
+exec({inspect.getsource(_stepped)!r})
+model, opt = _stepped(r + 1)
+if r in (1, 3):
+    hvd.broadcast_parameters(model.state_dict(), root_rank=3, process_set=members)
+    hvd.broadcast_optimizer_state(opt, root_rank=3, process_set=members)
+state = opt.state_dict()
+report({{"params": [p.detach().tolist() for p in model.parameters()],
+         "lr": state["param_groups"][0]["lr"],
+         "exp_avg": [state["state"][i]["exp_avg"].tolist() for i in range(2)]}})
+'''
+    results = run_ranks(4, code, tmp_path, timeout=120)
+    for r, got in enumerate(results):
+        source = 4 if r in (1, 3) else r + 1  # members end with rank 3's (seed 4), others keep theirs
+        model, opt = _stepped(source)
+        state = opt.state_dict()
+        assert got["params"] == [p.detach().tolist() for p in model.parameters()], r
+        assert got["lr"] == state["param_groups"][0]["lr"], r
+        assert got["exp_avg"] == [state["state"][i]["exp_avg"].tolist() for i in range(2)], r
