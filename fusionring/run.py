@@ -6,9 +6,15 @@
     fusionrun -np 4 --slow 1:3 python train.py               # rank 1 computes 3x slower
     fusionrun -np 4 --cluster 4 --rate 1gbit python train.py  # one rank per emulated host
     fusionrun -np 2 --dry-run -hosts a,b python train.py      # print the command, run nothing
+    fusionrun -np 8 -H a:4,b:4 --fusion-threshold-mb 32 python train.py  # horovodrun's words
 
 Options it does not know are handed to ``mpiexec`` unchanged; the program starts at the first token that
 is not an option or an option's value (or after ``--``). The exit code is ``mpiexec``'s.
+
+``horovodrun``'s host and tuning options are understood too, so a Horovod launch line works with only its
+first word changed: ``-H/--hosts HOST:SLOTS,...`` and ``--hostfile FILE`` (lines ``HOST slots=N``, or
+``HOST:N``) become the MPI's own host list, and the tuning options become ``FUSIONRING_*`` variables for
+every rank (see :data:`HOROVODRUN_SETTINGS`).
 """
 from __future__ import annotations
 
@@ -30,7 +36,27 @@ UNKNOWN = "unknown"
 
 SLOWDOWN_ENV = "FUSIONRING_SLOWDOWN"
 USAGE = ("usage: fusionrun -np N [--dry-run] [--cluster N --rate RATE] [--slow RANK:FACTOR]... "
+         "[-H HOST:SLOTS,... | --hostfile FILE] [horovodrun tuning options] "
          "[--mpiexec PATH] [mpiexec options...] [--] PROGRAM [ARGS...]")
+
+
+def _mib_to_bytes(value: str) -> str:
+    return str(int(float(value) * 1024 * 1024))
+
+
+def _as_float(value: str) -> str:
+    return str(float(value))
+
+
+# horovodrun's tuning options -> (the FUSIONRING_* variable set on every rank, how the value is
+# converted). Horovod takes the fusion threshold in MiB; fusionring's variable is in bytes.
+HOROVODRUN_SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
+    "--fusion-threshold-mb": ("FUSIONRING_FUSION_THRESHOLD", _mib_to_bytes),
+    "--cycle-time-ms": ("FUSIONRING_CYCLE_TIME_MS", _as_float),
+    "--timeline-filename": ("FUSIONRING_TIMELINE", str),
+    "--stall-check-warning-time-seconds": ("FUSIONRING_STALL_WARNING_S", _as_float),
+    "--stall-check-shutdown-time-seconds": ("FUSIONRING_STALL_SHUTDOWN_S", _as_float),
+}
 
 # mpiexec options (Hydra's and Open MPI's) that take values, by name without leading dashes, with how
 # many tokens follow. Needed so that a value ("-hosts a,b") is not taken for the program. Options given
@@ -44,7 +70,7 @@ _MPIEXEC_VALUE_OPTIONS = {
     "prepend-pattern": 1, "usize": 1, "bootstrap": 1, "bootstrap-exec": 1, "binding": 1,
     "memory-alloc-kinds": 1,
     # Open MPI (ORTE and PRRTE)
-    "x": 1, "mca": 2, "gmca": 2, "prtemca": 2, "pmixmca": 2, "omca": 2, "H": 1, "N": 1, "npernode": 1,
+    "x": 1, "mca": 2, "gmca": 2, "prtemca": 2, "pmixmca": 2, "omca": 2, "N": 1, "npernode": 1,
     "npersocket": 1, "rank-by": 1, "output": 1, "output-filename": 1, "cpus-per-proc": 1,
     "cpus-per-rank": 1, "tune": 1, "am": 1, "preload-files": 1, "prefix": 1, "personality": 1,
     "path": 1, "stdin": 1, "timeout": 1, "report-bindings-file": 1, "rankfile": 1, "default-hostfile": 1,
@@ -67,6 +93,9 @@ class LaunchRequest:
     rate: Optional[str] = None
     slowdown: Dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> factor as typed
     mpiexec: Optional[str] = None
+    hosts: Optional[str] = None          # HOST:SLOTS,... (-H, --hosts, or read from --hostfile)
+    hostfile: Optional[str] = None       # as given, for an MPI that reads horovodrun's format itself
+    rank_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # FUSIONRING_* for every rank
 
 
 @dataclasses.dataclass
@@ -183,6 +212,22 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
             request.slowdown[rank] = factor
         elif name == "--mpiexec":
             request.mpiexec, i = _take_value(argv, i, name, inline)
+        elif name in ("-H", "--hosts"):
+            raw, i = _take_value(argv, i, name, inline)
+            request.hosts = _parse_hosts(raw, name)
+        elif name in ("--hostfile", "-hostfile"):
+            request.hostfile, i = _take_value(argv, i, name, inline)
+            request.hosts = _read_hostfile(request.hostfile)
+        elif name in HOROVODRUN_SETTINGS:
+            raw, i = _take_value(argv, i, name, inline)
+            variable, convert = HOROVODRUN_SETTINGS[name]
+            try:
+                request.rank_env[variable] = convert(raw)
+            except ValueError:
+                raise LaunchError(f"{name} needs a number, got {raw!r}") from None
+        elif name == "--no-stall-check":
+            request.rank_env.update(FUSIONRING_STALL_WARNING_S="0", FUSIONRING_STALL_SHUTDOWN_S="0")
+            i += 1
         elif name in ("-h", "--help"):
             raise SystemExit(_print_help())
         else:
@@ -193,6 +238,44 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
             i += 1 + arity
     _validate(request)
     return request
+
+
+def _parse_hosts(raw: str, what: str) -> str:
+    """Check a horovodrun host list (``a:4,b:4``; a host without slots gets one) and return it."""
+    entries = [entry.strip() for entry in raw.split(",") if entry.strip()]
+    if not entries:
+        raise LaunchError(f"{what} needs HOST:SLOTS,... (e.g. -H localhost:4), got {raw!r}")
+    for entry in entries:
+        host, sep, slots = entry.partition(":")
+        if not host or (sep and not (slots.isdigit() and int(slots) > 0)):
+            raise LaunchError(f"{what}: {entry!r} is not HOST or HOST:SLOTS with SLOTS > 0")
+    return ",".join(entries)
+
+
+def _read_hostfile(path: str) -> str:
+    """A hostfile's hosts as ``HOST:SLOTS,...``: lines ``HOST slots=N`` (horovodrun, Open MPI),
+    ``HOST:N`` (MPICH) or ``HOST``; ``#`` starts a comment."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise LaunchError(f"--hostfile {path}: {exc.strerror or exc}") from None
+    entries = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, slots = words[0], None
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots":
+                slots = value
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise LaunchError(f"--hostfile {path}, line {number}: slots must be a positive number, "
+                              f"got {slots!r}")
+        entries.append(host if slots is None else f"{host}:{slots}")
+    if not entries:
+        raise LaunchError(f"--hostfile {path} lists no hosts")
+    return _parse_hosts(",".join(entries), f"--hostfile {path}")
 
 
 def _parse_slow(raw: str) -> Tuple[int, str]:
@@ -218,6 +301,8 @@ def _validate(request: LaunchRequest) -> None:
             lab.parse_rate(request.rate)
         except ValueError as exc:
             raise LaunchError(f"--rate: {exc}") from exc
+        if request.hosts is not None:
+            raise LaunchError("--cluster places the ranks itself; drop -H/--hosts/--hostfile")
     elif request.rate is not None:
         raise LaunchError("--rate only applies with --cluster N")
     if request.num_ranks is None:
@@ -239,7 +324,15 @@ def _print_help() -> int:
           "                      N must equal -np; the lab is built before and removed after\n"
           "  --rate RATE         the lab's link rate each way, as tc spells it (default 1gbit)\n"
           "  --slow RANK:FACTOR  make RANK compute FACTOR times slower (sets FUSIONRING_SLOWDOWN there)\n"
-          "  --mpiexec PATH      use this mpiexec instead of the environment's")
+          "  --mpiexec PATH      use this mpiexec instead of the environment's\n"
+          "horovodrun's options:\n"
+          "  -H, --hosts HOST:SLOTS,...   the hosts and how many ranks each runs\n"
+          "  --hostfile FILE              one host per line: HOST slots=N (or HOST:N)\n"
+          "  --fusion-threshold-mb MB     FUSIONRING_FUSION_THRESHOLD (in bytes)\n"
+          "  --cycle-time-ms MS           FUSIONRING_CYCLE_TIME_MS\n"
+          "  --timeline-filename PATH     FUSIONRING_TIMELINE\n"
+          "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"
+          "  --no-stall-check             FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S")
     return 0
 
 
@@ -261,6 +354,16 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
         if running_as_root:
             argv.append("--allow-run-as-root")
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if request.hosts is not None:
+        if flavour == OPEN_MPI:
+            # Open MPI reads horovodrun's hostfile format itself; -H takes HOST:SLOTS as is.
+            argv += (["--hostfile", request.hostfile] if request.hostfile else ["-H", request.hosts])
+        else:
+            argv += ["-hosts", request.hosts]
+    env.update(request.rank_env)
+    if flavour == OPEN_MPI:
+        for name in request.rank_env:  # Open MPI forwards only the variables it is told to
+            argv += ["-x", name]
     argv.extend(request.mpiexec_options)
 
     lab_layout = None

@@ -233,3 +233,78 @@ def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
     done = subprocess.run([sys.executable, "-m", "fusionring.run", "--mpiexec", mpiexec, "-np", "1", "true"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 7
+
+
+# ------------------------------------------------------------------------ horovodrun's options
+
+def test_horovodrun_hosts_become_each_mpis_own_host_list(fake_mpiexec):
+    mpich = fake_mpiexec(MPICH_VERSION)
+    words = shlex.split(_dry_run(mpich, "-np", "4", "-H", "a:2,b:2", "python", "t.py"))
+    assert words == [mpich, "-hosts", "a:2,b:2", "-n", "4", "python", "t.py"]
+    words = shlex.split(_dry_run(mpich, "-np", "4", "--hosts=a:2, b", "python", "t.py"))
+    assert words == [mpich, "-hosts", "a:2,b", "-n", "4", "python", "t.py"]
+    request = run.parse_args(["-np", "4", "-H", "a:2,b:2", "python", "t.py"])
+    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    assert launch.argv == ["mpiexec", "--oversubscribe", "-H", "a:2,b:2", "-n", "4", "python", "t.py"]
+
+
+def test_horovodrun_hostfile_is_read_in_either_format(fake_mpiexec, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the nodes\nnode1 slots=4\n\nnode2:2\nnode3  # one slot\n")
+    mpich = fake_mpiexec(MPICH_VERSION)
+    words = shlex.split(_dry_run(mpich, "-np", "7", "--hostfile", str(hostfile), "python", "t.py"))
+    assert words == [mpich, "-hosts", "node1:4,node2:2,node3", "-n", "7", "python", "t.py"]
+    request = run.parse_args(["-np", "7", "--hostfile", str(hostfile), "python", "t.py"])
+    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    assert launch.argv[2:4] == ["--hostfile", str(hostfile)]
+
+
+def test_horovodrun_tuning_options_reach_every_rank_in_fusionrings_units(fake_mpiexec):
+    args = ["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+            "--timeline-filename", "/tmp/tl.json", "--no-stall-check", "python", "t.py"]
+    expected = {"FUSIONRING_FUSION_THRESHOLD": str(32 * 1024 * 1024),
+                "FUSIONRING_CYCLE_TIME_MS": "2.5", "FUSIONRING_TIMELINE": "/tmp/tl.json",
+                "FUSIONRING_STALL_WARNING_S": "0", "FUSIONRING_STALL_SHUTDOWN_S": "0"}
+    request = run.parse_args(args)
+    mpich = run.build_launch(request, "mpiexec", run.MPICH, running_as_root=False)
+    assert mpich.env_added == expected
+    assert mpich.argv == ["mpiexec", "-n", "2", "python", "t.py"]
+    ompi = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    exported = [ompi.argv[i + 1] for i, word in enumerate(ompi.argv) if word == "-x"]
+    assert sorted(exported) == sorted(expected)
+    # The values are what fusionring's settings read back.
+    from fusionring.config import _from_environment
+    old = dict(os.environ)
+    try:
+        os.environ.update(expected)
+        settings = _from_environment()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert settings.fusion_threshold_bytes == 32 * 1024 * 1024
+    assert settings.cycle_time_ms == 2.5 and settings.timeline_path == "/tmp/tl.json"
+    assert settings.stall_warning_s is None and settings.stall_shutdown_s is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-np", "2", "-H", "a:0", "python", "t.py"], "SLOTS > 0"),
+    (["-np", "2", "-H", "", "python", "t.py"], "HOST:SLOTS"),
+    (["-np", "2", "--hostfile", "/nonexistent/hosts", "python", "t.py"], "--hostfile"),
+    (["-np", "2", "--fusion-threshold-mb", "lots", "python", "t.py"], "needs a number"),
+    (["-np", "2", "--cluster", "2", "-H", "a:2", "python", "t.py"], "drop -H"),
+])
+def test_bad_horovodrun_options_exit_2_with_the_reason(fake_mpiexec, args, message):
+    done = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_a_horovodrun_line_runs_with_the_environment_mpiexec(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("import os, sys, fusionring.torch as hvd\nhvd.init()\n"
+                      "open(os.path.join(sys.argv[1], f'rank{hvd.rank()}'), 'w').write("
+                      "f\"{hvd.size()} {os.environ['FUSIONRING_CYCLE_TIME_MS']}\")\n")
+    done = fusionrun("-np", "2", "-H", "localhost:2", "--cycle-time-ms", "3", sys.executable,
+                     str(script), str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
