@@ -86,25 +86,35 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: Sequence[Tuple[int, float]], source: str = "probe") -> "CostModel":
-        """Least-squares line through (bytes, seconds) samples; alpha >= 0, beta > 0.
+        """A line through (bytes, seconds) samples that one disturbed sample cannot swing;
+        alpha >= 0, beta > 0.
 
-        A fit that gives no positive slope (noise swamping the sizes) falls back to the default beta."""
+        The slope is the median of the slopes between every two sizes (Theil-Sen) and the
+        intercept the median of what each sample leaves after it: a timing stretched by a
+        preempted rank moves neither, where a least-squares line could tilt by orders of
+        magnitude. No positive slope (noise swamping the sizes) falls back to the default
+        beta."""
         if len(samples) < 2:
             raise ValueError("fitting a cost model needs at least two (bytes, seconds) samples")
         x = np.array([float(b) for b, _ in samples])
         y = np.array([float(t) for _, t in samples])
-        beta, alpha = np.polyfit(x, y, 1)
+        slopes = [(y[j] - y[i]) / (x[j] - x[i])
+                  for i in range(len(x)) for j in range(i + 1, len(x)) if x[j] != x[i]]
+        if not slopes:
+            raise ValueError("fitting a cost model needs samples of at least two sizes")
+        beta = float(np.median(slopes))
         if not beta > 0:
             beta = CostModel.ring_default().beta_s_per_byte
-            alpha = float(np.mean(y - beta * x))
-        return cls(max(0.0, float(alpha)), float(beta), source)
+        alpha = float(np.median(y - beta * x))
+        return cls(max(0.0, alpha), beta, source)
 
 
-def mpi_allreduce_probe(comm: Any = None, repeats: int = 5) -> Callable[[int], float]:
+def mpi_allreduce_probe(comm: Any = None, repeats: int = 7) -> Callable[[int], float]:
     """A probe timing ``MPI.Allreduce`` of float32 buffers on ``comm`` (COMM_WORLD by default).
 
-    Collective: every rank must call the returned probe with the same sizes. Each size reports the
-    slowest rank's median, so every rank fits the same cost model."""
+    Collective: every rank must call the returned probe with the same sizes. Each rank keeps its
+    fastest repeat (other work on the host only ever adds time), and each size reports the slowest
+    rank's, so every rank fits the same cost model."""
     from mpi4py import MPI  # imported here so that planning needs no MPI unless asked
 
     comm = comm if comm is not None else MPI.COMM_WORLD
@@ -120,12 +130,13 @@ def mpi_allreduce_probe(comm: Any = None, repeats: int = 5) -> Callable[[int], f
             start = MPI.Wtime()
             comm.Allreduce(send, recv, op=MPI.SUM)
             times.append(MPI.Wtime() - start)
-        return float(comm.allreduce(float(np.median(times)), op=MPI.MAX))
+        return float(comm.allreduce(float(np.min(times)), op=MPI.MAX))
 
     return probe
 
 
-PROBE_SIZES_BYTES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+# A small size pins the latency; the larger ones the bandwidth.
+PROBE_SIZES_BYTES = (4 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 
 
 def cost_model_from_probe(probe: Union[None, str, Callable[[int], float], CostModel],

@@ -190,6 +190,23 @@ def test_probe_callable_is_fitted_into_the_cost_model():
         sum(1e-4 + b / 5e8 for b in p.group_bytes))
 
 
+def test_cost_fit_is_not_swung_by_one_disturbed_timing():
+    # A ring at 40 us + 1.3 GB/s, timed at the probe's sizes; the 1 MiB timing was stretched 30x
+    # (a rank preempted mid-collective), as happened on a busy 2-core host.
+    truth = CostModel(40e-6, 1 / 1.3e9)
+    samples = [(b, truth.seconds(b)) for b in (4 * 1024, 64 * 1024, 256 * 1024, 1 << 20, 4 << 20)]
+    samples[3] = (samples[3][0], samples[3][1] * 30)
+    fitted = CostModel.fit(samples)
+    assert fitted.alpha_s == pytest.approx(truth.alpha_s, rel=0.25)
+    assert fitted.beta_s_per_byte == pytest.approx(truth.beta_s_per_byte, rel=0.25)
+    # Undisturbed samples are fitted exactly; noise with no upward slope keeps a usable beta.
+    exact = CostModel.fit([(b, truth.seconds(b)) for b in (1024, 1 << 20, 8 << 20)])
+    assert exact.alpha_s == pytest.approx(truth.alpha_s) and exact.beta_s_per_byte == pytest.approx(
+        truth.beta_s_per_byte)
+    flat = CostModel.fit([(1024, 2e-3), (1 << 20, 1e-3), (4 << 20, 1e-3)])
+    assert flat.beta_s_per_byte == CostModel.ring_default().beta_s_per_byte and flat.alpha_s >= 0
+
+
 # ------------------------------------------------------------------------------------------
 # Profiling and make_plan
 
