@@ -278,7 +278,8 @@ class Runtime:
         with self._lock:
             self._shutdown_requested = True
             self._wakeup.notify()
-        self._thread.join(timeout_s)
+        # A loop that failed may be saying farewell to peers that are gone: do not wait long.
+        self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
         self.stop_timeline()
         for comm in (self._control_comm, self._data_comm):
             try:
