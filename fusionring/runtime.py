@@ -113,6 +113,7 @@ class Runtime:
         from mpi4py import MPI
 
         self._MPI = MPI
+        _warn_unless_thread_multiple(MPI)
         self.config = config or settings()
         base = comm if comm is not None else MPI.COMM_WORLD
         self.base_comm = base
@@ -715,6 +716,28 @@ def contiguous_view(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
         end += tensor.numel() * tensor.element_size()
     numel = sum(t.numel() for t in tensors)
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+
+
+_THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
+                  "MPI_THREAD_MULTIPLE")
+
+
+def _warn_unless_thread_multiple(MPI) -> None:
+    """fusionring calls MPI from its background thread while the caller's thread may call it
+    too (process sets, the user's own mpi4py calls): anything below MPI_THREAD_MULTIPLE can
+    corrupt MPI's state, so say so once, with the fix."""
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_MULTIPLE:
+        return
+    import warnings
+
+    level = (_THREAD_LEVELS[provided] if 0 <= provided < len(_THREAD_LEVELS)
+             else f"thread level {provided}")
+    warnings.warn(f"MPI was initialized with {level}, not MPI_THREAD_MULTIPLE; fusionring's "
+                  f"background thread calls MPI while other threads may, which can crash or hang. "
+                  f"Let mpi4py initialize MPI (its default is MPI_THREAD_MULTIPLE), or set "
+                  f"mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI.",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _usable_cores() -> List[int]:

@@ -242,3 +242,27 @@ def test_a_failing_reduction_fails_every_rank_with_its_cause(tmp_path):
         assert results[r]["next"] is not None, results[r]
         assert "rank(s) 1" in results[r]["next"] and "shut down" in results[r]["next"]
         assert results[r]["after_s"] < 30
+
+
+THREAD_LEVEL = r'''
+import warnings
+import mpi4py
+mpi4py.rc.thread_level = "serialized"
+import torch
+import fusionring.torch as hvd
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hvd.init()
+messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+report({"messages": messages, "sum": hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()})
+'''
+
+
+def test_mpi_below_thread_multiple_is_warned_about(tmp_path):
+    """Like Horovod: MPI already initialized without MPI_THREAD_MULTIPLE gets a warning that
+    names the level and the fix."""
+    for out in run_ranks(2, THREAD_LEVEL, tmp_path, timeout=60):
+        assert len(out["messages"]) == 1, out
+        assert "MPI_THREAD_SERIALIZED" in out["messages"][0]
+        assert "thread_level = 'multiple'" in out["messages"][0]
+        assert out["sum"] == [2.0, 2.0]
