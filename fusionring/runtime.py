@@ -140,6 +140,7 @@ class Runtime:
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
                                       self.config.stall_shutdown_s, control_core)
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
+        self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._timeline = (Timeline(self.config.timeline_path)
                           if self.config.timeline_path and self.rank == 0 else None)
         self.stats = Stats()
@@ -261,9 +262,12 @@ class Runtime:
 
     def set_fusion_groups(self, groups: Optional[Sequence[Sequence[str]]],
                           label: str = "fusion_groups") -> None:
-        """Install plan groups (lists of tensor names) on every rank; None: threshold fusion.
+        """Install plan groups (lists of tensor names) under `label` on every rank; None
+        removes that label's groups (its tensors go by threshold fusion).
 
-        A collective: every rank must call it with the same groups. It is negotiated like a
+        Groups under different labels (e.g. one per optimizer of a GAN) are in force together;
+        a tensor name that a later label groups again leaves the earlier label's group. A
+        collective: every rank must call it with the same groups. It is negotiated like a
         tensor, so all ranks switch in the same cycle, and differing groups raise a
         TensorMismatchError on every rank.
         """
@@ -271,7 +275,7 @@ class Runtime:
         digest = hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:16]
         request = Request(f"fusion_groups.{label}", TensorSpec("fusion_groups", "none", (),
                                                                detail=f"groups {digest}"),
-                          torch.empty(0, dtype=torch.uint8), None, payload=groups)
+                          torch.empty(0, dtype=torch.uint8), None, payload=(label, groups))
         self.wait(self.submit(request))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -505,7 +509,12 @@ class Runtime:
         # Whatever the old plan still holds is reduced first, identically on every rank.
         for batch in self._scheduler.schedule([], flush=True):
             self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
-        self._scheduler = FusionScheduler(requests[0].payload, self.config.fusion_threshold_bytes)
+        label, groups = requests[0].payload
+        self._group_sets.pop(label, None)
+        if groups:
+            self._group_sets[label] = groups  # the newest last: its names win
+        self._scheduler = FusionScheduler(_merge_group_sets(self._group_sets),
+                                          self.config.fusion_threshold_bytes)
 
     @property
     def scheduler(self) -> FusionScheduler:
@@ -696,6 +705,18 @@ class Runtime:
 
     def _barrier(self, requests: List[Request]) -> None:
         self._data_comm.Barrier()
+
+
+def _merge_group_sets(group_sets: Dict[str, List[List[str]]]) -> Optional[List[List[str]]]:
+    """Every label's groups as one list; a name grouped by a later label leaves earlier ones."""
+    claimed = set()
+    merged: List[List[str]] = []
+    for groups in reversed(list(group_sets.values())):
+        kept = [[n for n in group if n not in claimed] for group in groups]
+        for group in groups:
+            claimed.update(group)
+        merged[:0] = [group for group in kept if group]
+    return merged or None
 
 
 def _displacements(counts: List[int]) -> List[int]:

@@ -211,3 +211,61 @@ def test_large_tensors_are_reduced_where_they_lie_not_packed(tmp_path):
         # every buffer of at least the limit is exactly one large tensor, reduced on its own
         assert sorted(b for b in out["batch_bytes"] if b >= 4096) == large
         assert sum(out["batch_bytes"]) == 4 * sum(sizes)
+
+
+TWO_OPTIMIZERS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+
+def models():
+    torch.manual_seed(0)
+    return (torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)),
+            torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)))
+
+def train(prefixes, ranks, steps=3):
+    """Both models, each with its own optimizer; data of `ranks` (all of them: the reference)."""
+    first, second = models()
+    opts = []
+    for model, prefix in zip((first, second), prefixes):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if len(ranks) == 1:
+            named = [(prefix + n, p) for n, p in model.named_parameters()]
+            opt = hvd.DistributedOptimizer(opt, named_parameters=named, groups=1)
+        opts.append(opt)
+    kinds = []
+    for step in range(steps):
+        for model, opt in zip((first, second), opts):
+            opt.zero_grad()
+            losses = []
+            for q in ranks:
+                g = torch.Generator().manual_seed(100 * step + q)
+                losses.append(model(torch.randn(5, 4, generator=g)).pow(2).mean())
+            (sum(losses) / len(losses)).backward()
+            before = dict(runtime.get().scheduler.stats.batches_by_kind)
+            opt.step()
+            after = runtime.get().scheduler.stats.batches_by_kind
+            kinds.append({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+    return [p.detach() for m in (first, second) for p in m.parameters()], kinds
+
+out = {}
+for case, prefixes in (("distinct", ("gen.", "disc.")), ("colliding", ("", ""))):
+    params, kinds = train(prefixes, [r])
+    reference, _ = train(prefixes, list(range(P)))
+    out[case] = {"kinds": kinds,
+                 "max_diff": max((a - b).abs().max().item() for a, b in zip(params, reference))}
+report(out)
+'''
+
+
+def test_two_optimizers_each_keep_their_fusion_groups(tmp_path):
+    """A GAN-style script: two DistributedOptimizers with groups. Each step of either optimizer
+    goes out as one planned group (not threshold fusion), and training equals single-process
+    training on the global batch; names the two models share fall to the newer optimizer's
+    groups without any error."""
+    for out in run_ranks(2, TWO_OPTIMIZERS, tmp_path, timeout=120):
+        assert out["distinct"]["kinds"] == [{"plan": 1}] * 6, out["distinct"]["kinds"]
+        for case in ("distinct", "colliding"):
+            assert out[case]["max_diff"] < 1e-6, (case, out[case]["max_diff"])
