@@ -510,11 +510,13 @@ class Runtime:
         for batch in self._scheduler.schedule([], flush=True):
             self._guarded([e.payload for e in batch.entries], self._allreduce_batch)
         label, groups = requests[0].payload
-        self._group_sets.pop(label, None)
+        group_sets = {k: v for k, v in self._group_sets.items() if k != label}
         if groups:
-            self._group_sets[label] = groups  # the newest last: its names win
-        self._scheduler = FusionScheduler(_merge_group_sets(self._group_sets),
+            group_sets[label] = groups  # the newest last: its names win
+        # Built before it is kept: groups that overlap themselves raise here and change nothing.
+        self._scheduler = FusionScheduler(_merge_group_sets(group_sets),
                                           self.config.fusion_threshold_bytes)
+        self._group_sets = group_sets
 
     @property
     def scheduler(self) -> FusionScheduler:

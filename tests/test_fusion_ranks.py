@@ -269,3 +269,35 @@ def test_two_optimizers_each_keep_their_fusion_groups(tmp_path):
         assert out["distinct"]["kinds"] == [{"plan": 1}] * 6, out["distinct"]["kinds"]
         for case in ("distinct", "colliding"):
             assert out[case]["max_diff"] < 1e-6, (case, out[case]["max_diff"])
+
+
+BAD_GROUPS_THEN_GOOD = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+model = torch.nn.Linear(3, 2)
+w, b = model.weight, model.bias
+try:
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             named_parameters=model.named_parameters(), groups=[[w, w], [b]])
+    error = None
+except ValueError as exc:
+    error = str(exc)
+other = torch.nn.Linear(3, 2)  # the refused groups must not linger for another model's optimizer
+opt = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
+                               named_parameters=[("b." + n, p) for n, p in other.named_parameters()],
+                               groups=[[other.weight, other.bias]])
+stats = runtime.get().scheduler.stats
+other(torch.ones(4, 3) * (1 + hvd.rank())).sum().backward()
+opt.step()
+report({"error": error, "kinds": dict(stats.batches_by_kind),
+        "groups": [list(g) for g in runtime.get().scheduler.groups]})
+'''
+
+
+def test_groups_refused_on_every_rank_leave_the_next_optimizer_working(tmp_path):
+    for out in run_ranks(2, BAD_GROUPS_THEN_GOOD, tmp_path, timeout=60):
+        assert out["error"] is not None and "overlap" in out["error"]
+        assert out["groups"] == [["allreduce.b.weight", "allreduce.b.bias"]]
+        assert out["kinds"] == {"plan": 1}
