@@ -141,6 +141,7 @@ class Runtime:
                                       self.config.stall_shutdown_s, control_core)
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
+        self._group_labels = itertools.count()
         self._timeline = (Timeline(self.config.timeline_path)
                           if self.config.timeline_path and self.rank == 0 else None)
         self.stats = Stats()
@@ -277,6 +278,12 @@ class Runtime:
                                                                detail=f"groups {digest}"),
                           torch.empty(0, dtype=torch.uint8), None, payload=(label, groups))
         self.wait(self.submit(request))
+
+    def new_group_label(self) -> str:
+        """A fresh label for set_fusion_groups. Every rank of this runtime gets the same
+        sequence, as long as they create their optimizers in the same order (a process set's
+        members do, whatever other sets they are in)."""
+        return f"optimizer.{next(self._group_labels)}"
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Tell every rank this one is leaving, then stop the background loop."""

@@ -115,3 +115,46 @@ def test_process_sets(tmp_path):
         assert out["removed"] is True
         assert "has not been added" in out["after remove"]
         assert out["global"] == [10.0] * 3
+
+
+OVERLAPPING_SETS_WITH_GROUPS = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+first, second = hvd.add_process_set([0, 1]), hvd.add_process_set([0, 2])
+# Rank 0 wraps an optimizer on each set, ranks 1 and 2 on theirs only: each set's members still
+# agree on which optimizer's groups they install.
+mine = {0: [first, second], 1: [first], 2: [second]}[r]
+out = {}
+for pset in mine:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), groups=1,
+                                   process_set=pset)
+    opt.zero_grad()
+    model(torch.full((2, 3), float(r + 1))).sum().backward()
+    opt.step()
+    out[str(pset.ranks)] = [p.detach().flatten().tolist() for p in model.parameters()]
+report(out)
+'''
+
+
+def test_optimizers_with_groups_on_overlapping_sets_do_not_wait_on_each_other(tmp_path):
+    results = run_ranks(3, OVERLAPPING_SETS_WITH_GROUPS, tmp_path, timeout=90)
+    import torch
+
+    def reference(ranks):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sum(model(torch.full((2, 3), float(q + 1))).sum() for q in ranks).div(len(ranks)).backward()
+        opt.step()
+        return [p.detach().flatten().tolist() for p in model.parameters()]
+
+    for ranks, members in (([0, 1], (0, 1)), ([0, 2], (0, 2))):
+        expected = reference(ranks)
+        for r in members:
+            for got, want in zip(results[r][str(ranks)], expected):
+                assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)

@@ -11,7 +11,6 @@ one optimizer.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -29,7 +28,6 @@ _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but bef
                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
                  "a race condition.")
 _SPARSE = object()  # ctx of a sparse gradient reduced by allgather
-_group_labels = itertools.count()  # fusion-group labels, one per optimizer that has groups
 _TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_step times before "
                        "call to step(). Increase backward_passes_per_step to accumulate gradients "
                        "locally.")
@@ -130,9 +128,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._grad_views = self._group_buffers(fusion_groups)
         if self._size > 1:
             if fusion_groups is not None:
-                # One label per optimizer, alike on every rank (they create optimizers in the same
-                # order), so a GAN's two optimizers each keep their groups.
-                runtime.set_fusion_groups(fusion_groups, label=f"optimizer.{next(_group_labels)}")
+                # One label per optimizer, so a GAN's two optimizers each keep their groups.
+                runtime.set_fusion_groups(fusion_groups, label=runtime.new_group_label())
             self._register_hooks()
 
     # ------------------------------------------------------------------ setup
