@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -759,8 +760,6 @@ def _warn_unless_thread_multiple(MPI) -> None:
     provided = MPI.Query_thread()
     if provided >= MPI.THREAD_MULTIPLE:
         return
-    import warnings
-
     level = (_THREAD_LEVELS[provided] if 0 <= provided < len(_THREAD_LEVELS)
              else f"thread level {provided}")
     warnings.warn(f"MPI was initialized with {level}, not MPI_THREAD_MULTIPLE; fusionring's "

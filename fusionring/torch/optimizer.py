@@ -303,8 +303,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     p.grad.copy_(result)
         self._handles.clear()
-        for p in self._requires_update:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_delays()
         self._synchronized = True
         if errors:
             raise errors[0]
@@ -314,7 +313,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self.backward_passes_per_step = int(passes)
-        for p in self._allreduce_delay:
+        self._reset_delays()
+
+    def _reset_delays(self) -> None:
+        # Every parameter starts counting its backward passes afresh.
+        for p in self._requires_update:
             self._allreduce_delay[p] = self.backward_passes_per_step
 
     @contextlib.contextmanager
