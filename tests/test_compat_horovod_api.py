@@ -148,3 +148,52 @@ report({{"params": [p.detach().tolist() for p in model.parameters()],
         assert got["params"] == [p.detach().tolist() for p in model.parameters()], r
         assert got["lr"] == state["param_groups"][0]["lr"], r
         assert got["exp_avg"] == [state["state"][i]["exp_avg"].tolist() for i in range(2)], r
+
+
+GROUPED_GRADIENTS = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, W = hvd.rank(), hvd.size()
+out = {}
+for op_name in ("Sum", "Average"):
+    x = torch.arange(4.0, requires_grad=True)
+    y = torch.full((2, 3), float(r + 1), requires_grad=True)
+    outs = hvd.grouped_allreduce([x * 2, y], op=getattr(hvd, op_name), name=f"g.{op_name}")
+    # Each rank weighs the outputs differently, so the gradient is a real reduction.
+    (outs[0].sum() * (r + 1) + (outs[1] * (r + 2)).sum()).backward()
+    out[op_name] = {"values": [o.detach().tolist() for o in outs],
+                    "x_grad": x.grad.tolist(), "y_grad": y.grad.tolist()}
+
+model = torch.nn.Linear(3, 2)
+model.weight.requires_grad_(False)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+out["grads_after_broadcast"] = [None if p.grad is None else p.grad.tolist()
+                                for p in (model.weight, model.bias)]
+report(out)
+'''
+
+
+def test_grouped_allreduce_is_differentiable_and_fresh_state_gets_zero_grads(tmp_path):
+    """Like allreduce, grouped_allreduce backpropagates an allreduce of the output gradients
+    with the same op; broadcast_optimizer_state on a fresh optimizer leaves every trainable
+    parameter with a zero gradient, as Horovod's does."""
+    size = 3
+    results = run_ranks(size, GROUPED_GRADIENTS, tmp_path)
+    weights_x = sum(r + 1 for r in range(size))  # d/d(outs[0]) summed over ranks
+    weights_y = sum(r + 2 for r in range(size))
+    for r, got in enumerate(results):
+        for op_name, divide in (("Sum", 1), ("Average", size)):
+            part = got[op_name]
+            x_sum = torch.arange(4.0) * 2 * size
+            y_sum = torch.full((2, 3), float(sum(q + 1 for q in range(size))))
+            assert torch.allclose(torch.tensor(part["values"][0]), x_sum / divide)
+            assert torch.allclose(torch.tensor(part["values"][1]), y_sum / divide)
+            # The backward allreduce of d(loss)/d(out) uses the same op.
+            assert torch.allclose(torch.tensor(part["x_grad"]),
+                                  torch.full((4,), 2.0 * weights_x / divide)), (r, op_name)
+            assert torch.allclose(torch.tensor(part["y_grad"]),
+                                  torch.full((2, 3), float(weights_y) / divide)), (r, op_name)
+        assert got["grads_after_broadcast"] == [None, [0.0, 0.0]]

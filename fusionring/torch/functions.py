@@ -456,19 +456,39 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
 
+@_keeps_runtime
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_allreduce_async(
+            tensors, name=name, op=op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        reduced = synchronize(grouped_allreduce_async(
+            [g.contiguous() for g in grad_outputs], op=ctx.op, prescale_factor=ctx.scales[0],
+            postscale_factor=ctx.scales[1]))
+        return (None, None, None, None, *reduced)
+
+
 @_routed
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optional[str] = None,
                       compression=Compression.none, op=None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
-    """Allreduce several tensors together and return the results."""
+    """Allreduce several tensors together and return the results (differentiable)."""
+    tensors = list(tensors)
     if getattr(compression, "in_runtime", False):
         handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
                                     postscale_factor, compression=compression)
                    for t, n in zip(tensors, _group_names(name, len(tensors)))]
         return [synchronize(h) for h in handles]
+    if not tensors:
+        return []
     compressed = [compression.compress(t) for t in tensors]
-    outputs = synchronize(grouped_allreduce_async([c[0] for c in compressed], average, name, op,
-                                                  prescale_factor, postscale_factor))
+    outputs = _GroupedAllreduceFunction.apply(name, resolve_op(op, average), prescale_factor,
+                                              postscale_factor, *[c[0] for c in compressed])
     return [compression.decompress(o, c[1]) for o, c in zip(outputs, compressed)]
 
 
@@ -908,6 +928,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set=None) -> None:
     """Make every rank's (or every `process_set` member's) optimizer state and
     hyper-parameters equal to root's."""
+    if not optimizer.state_dict()["state"]:
+        # As in Horovod, whose broadcast starts a fresh optimizer's state with a step on
+        # zero gradients: afterwards every trainable parameter has a (zero) gradient.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
                              name="optimizer_state", process_set=process_set)
     if rank() != root_rank:
