@@ -89,6 +89,7 @@ class Outcome:
     stall_warning: Optional[str] = None
     joined_ranks: List[int] = dataclasses.field(default_factory=list)
     join_done: bool = False   # every rank has joined and nothing is pending anywhere
+    all_idle: bool = False    # no rank had anything pending or held when the cycle began
     last_joined: int = -1     # with join_done: the rank that joined last
 
 
@@ -291,7 +292,7 @@ class Negotiator:
         words[base:base + n_ids] = mine
         self._core.band_allreduce(words.ctypes.data, words.size)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
-        outcome = Outcome(flush=bool(words[1]))
+        outcome = Outcome(flush=bool(words[1]), all_idle=bool(words[2]))
         self._note_joined(~words[_HEADER_WORDS:base], outcome, all_idle=bool(words[2]))
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
@@ -353,7 +354,7 @@ class Negotiator:
                 self._cache[item.name] = entry
             else:  # same name, new spec agreed by every rank: keep the id
                 entry.spec, entry.first_dims = spec, item.first_dims
-        decided.flush = outcome.flush
+        decided.flush, decided.all_idle = outcome.flush, outcome.all_idle
         decided.joined_ranks = outcome.joined_ranks
         decided.join_done, decided.last_joined = outcome.join_done, outcome.last_joined
         return decided

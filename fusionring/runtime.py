@@ -36,6 +36,9 @@ from .timeline import Timeline
 _SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
 _QUIET_BACKOFF = 10
+# With nothing in flight on any rank, a loop waits this long for a submission of its own
+# before the next cycle (a submission or a shutdown still starts one at once).
+_ALL_IDLE_WAIT_S = 0.05
 
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
@@ -404,7 +407,9 @@ class Runtime:
                     self._join_request = None
                 busy = bool(self._pending or ready or self._scheduler.pending)
                 self._quiet_cycles = 0 if busy else self._quiet_cycles + 1
-                self._idle(started, cycle_s)
+                everyone_idle = (outcome.all_idle and not busy
+                                 and self._join_request is None)
+                self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle else cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
                                                   f"{self.rank}: {exc}"))
@@ -454,8 +459,11 @@ class Runtime:
     def _idle(self, started: float, cycle_s: float) -> None:
         # After a quiet spell, cycle less often: idle ranks otherwise spin in MPI waiting
         # for each other and take CPU from training. A submission wakes the loop at once.
+        # When no rank has anything in flight, a cycle only starts from a submission (or
+        # after a long wait): the others join it once they submit too, and no tensor could
+        # be agreed before then anyway.
         if self._quiet_cycles > _QUIET_CYCLES_BEFORE_BACKOFF:
-            cycle_s *= _QUIET_BACKOFF
+            cycle_s = max(cycle_s, self.config.cycle_time_ms / 1000.0 * _QUIET_BACKOFF)
         with self._lock:
             if self._queue or self._shutdown_requested:
                 return

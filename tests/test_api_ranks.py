@@ -139,3 +139,31 @@ def test_sync_batch_norm_equals_batch_norm_on_the_global_batch(tmp_path):
         assert torch.allclose(torch.tensor(res["grad_w"]), bn.weight.grad, atol=1e-4)
         assert torch.allclose(torch.tensor(res["running_mean"]), bn.running_mean, atol=1e-5)
         assert torch.allclose(torch.tensor(res["running_var"]), bn.running_var, atol=1e-5)
+
+
+IDLE = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="warm")
+before = hvd.communication_stats()["cycles"]
+time.sleep(1.0)
+idle_cycles = hvd.communication_stats()["cycles"] - before
+if hvd.rank() == 1:
+    time.sleep(0.3)  # rank 0 submits first and waits for rank 1
+t = time.perf_counter()
+out = hvd.allreduce(torch.full((3,), float(hvd.rank() + 1)), op=hvd.Sum, name="late")
+report({"idle_cycles": idle_cycles, "sum": out.tolist(), "waited": time.perf_counter() - t})
+'''
+
+
+def test_idle_ranks_do_not_cycle_and_a_late_submission_is_agreed_at_once(tmp_path):
+    """With nothing in flight anywhere, the control loops wait for a submission instead of
+    agreeing on nothing every few ms; the rank that submits last gets its result at once."""
+    results = run_ranks(2, IDLE, tmp_path, timeout=60)
+    for rank, got in enumerate(results):
+        # 1 s idle at one cycle per 50 ms is about 20 (it was ~145 with timed cycles).
+        assert got["idle_cycles"] <= 30, (rank, got)
+        assert got["sum"] == [3.0, 3.0, 3.0]
+    assert results[1]["waited"] < 0.25, results
+    assert 0.2 < results[0]["waited"] < 0.8, results
