@@ -251,7 +251,9 @@ class Negotiator:
 
     def _cached(self, name: str, spec: TensorSpec) -> Optional[_CacheEntry]:
         entry = self._cache.get(name)
-        return entry if entry is not None and entry.spec == spec else None
+        # Requests usually share their spec object (functions.py caches them): try identity
+        # first, since this runs for every pending tensor in every cycle.
+        return entry if entry is not None and (entry.spec is spec or entry.spec == spec) else None
 
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
               shutdown: bool, stall_check: bool, joined: bool = False,

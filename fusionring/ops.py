@@ -23,6 +23,8 @@ ADASUM_CODE = -1
 
 def resolve_op(op, average=None) -> ReduceOp:
     """Horovod's rule: ``op`` wins; the deprecated ``average`` flag maps to Average/Sum."""
+    if average is None and isinstance(op, ReduceOp):  # the common case, on every gradient
+        return op
     if op is not None and average is not None:
         raise ValueError("pass either op or the deprecated average argument, not both")
     if op is None:

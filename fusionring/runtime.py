@@ -12,6 +12,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -47,6 +48,7 @@ DTYPE_CODES: Dict[torch.dtype, int] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -254,6 +254,8 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor
         _rt.check_dtype(tensor, name)
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
+    if tensor.is_cpu and tensor.is_contiguous():  # every CPU gradient: skip the no-op copies
+        return tensor.detach()
     return tensor.detach().to("cpu").contiguous()
 
 
@@ -275,12 +277,19 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     # Compressors that reduce inside the runtime (their own collective on the fused
     # buffer) travel with the request; Horovod-style ones were applied by the caller.
     in_runtime = compression is not None and getattr(compression, "in_runtime", False)
-    spec = TensorSpec("allreduce", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
-                      op=reduce_op.name, prescale=float(prescale_factor),
-                      postscale=float(postscale_factor),
-                      compression=compression.name if in_runtime else "")
+    spec = _allreduce_spec(tensor.dtype, tuple(tensor.shape), reduce_op, float(prescale_factor),
+                           float(postscale_factor), compression.name if in_runtime else "")
     return _rt.Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
                        communicator=compression.communicate if in_runtime else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _allreduce_spec(dtype: torch.dtype, shape: Tuple[int, ...], op: ReduceOp, prescale: float,
+                    postscale: float, compression: str) -> TensorSpec:
+    # One shared object per distinct spec: a gradient's spec is the same every step, and
+    # the negotiation compares specs by identity first.
+    return TensorSpec("allreduce", _rt.dtype_name(dtype), shape, op=op.name, prescale=prescale,
+                      postscale=postscale, compression=compression)
 
 
 def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> None:
