@@ -238,13 +238,14 @@ def train(prefixes, ranks, steps=3):
     kinds = []
     for step in range(steps):
         for model, opt in zip((first, second), opts):
+            # Counted from before backward: the group may go out while backward still runs.
+            before = dict(runtime.get().scheduler.stats.batches_by_kind)
             opt.zero_grad()
             losses = []
             for q in ranks:
                 g = torch.Generator().manual_seed(100 * step + q)
                 losses.append(model(torch.randn(5, 4, generator=g)).pow(2).mean())
             (sum(losses) / len(losses)).backward()
-            before = dict(runtime.get().scheduler.stats.batches_by_kind)
             opt.step()
             after = runtime.get().scheduler.stats.batches_by_kind
             kinds.append({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
