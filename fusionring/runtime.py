@@ -409,6 +409,9 @@ class Runtime:
                     self._join_request = None
                 busy = bool(self._pending or ready or self._scheduler.pending)
                 self._quiet_cycles = 0 if busy else self._quiet_cycles + 1
+                # With nothing in flight anywhere, the next cycle starts from a submission
+                # (or after a long wait): the others join it once they submit too, and no
+                # tensor could be agreed before then anyway.
                 everyone_idle = (outcome.all_idle and not busy
                                  and self._join_request is None)
                 self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle else cycle_s)
@@ -461,9 +464,6 @@ class Runtime:
     def _idle(self, started: float, cycle_s: float) -> None:
         # After a quiet spell, cycle less often: idle ranks otherwise spin in MPI waiting
         # for each other and take CPU from training. A submission wakes the loop at once.
-        # When no rank has anything in flight, a cycle only starts from a submission (or
-        # after a long wait): the others join it once they submit too, and no tensor could
-        # be agreed before then anyway.
         if self._quiet_cycles > _QUIET_CYCLES_BEFORE_BACKOFF:
             cycle_s = max(cycle_s, self.config.cycle_time_ms / 1000.0 * _QUIET_BACKOFF)
         with self._lock:

@@ -937,7 +937,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set=None) -> None:
     """Make every rank's (or every `process_set` member's) optimizer state and
     hyper-parameters equal to root's."""
-    if not optimizer.state_dict()["state"]:
+    if not optimizer.state:  # a fresh optimizer (no step taken yet)
         # As in Horovod, whose broadcast starts a fresh optimizer's state with a step on
         # zero gradients: afterwards every trainable parameter has a (zero) gradient.
         for group in optimizer.param_groups:
