@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "adasum.h"
 #include "dtype.h"
 #include "fusion_buffer.h"
 #include "nm_allreduce.h"
@@ -79,6 +80,17 @@ class Communicator {
     } else {
       fusionring::allreduce(as_pointer(address), count, t, o, transport_, options);
     }
+  }
+
+  // Adasum of `count` floating-point elements at `address` (adasum.h).
+  void adasum(std::uintptr_t address, std::size_t count, int dtype, double prescale,
+              double postscale) {
+    const DType t = dtype_from_int(dtype);
+    AdasumOptions options;
+    options.prescale = prescale;
+    options.postscale = postscale;
+    py::gil_scoped_release release;
+    adasum_allreduce(as_pointer(address), count, t, transport_, options);
   }
 
   // N:M compressed allreduce with per-rank masks (nm_allreduce.h); float32 buffer, sum.
@@ -214,6 +226,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("segment_bytes") = 1 << 20, py::arg("small_message_bytes") = 64 << 10,
            py::arg("algorithm") = "auto",
            "In-place allreduce of `count` elements at `address` (GIL released).")
+      .def("adasum", &Communicator::adasum, py::arg("address"), py::arg("count"),
+           py::arg("dtype"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           "In-place Adasum of `count` floating-point elements at `address` across a "
+           "power-of-two number of ranks (GIL released).")
       .def("nm_allreduce", &Communicator::nm_allreduce, py::arg("address"), py::arg("count"),
            py::arg("n"), py::arg("m"), py::arg("value_dtype") = 0, py::arg("residual") = 0,
            py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,

@@ -90,6 +90,7 @@ class Outcome:
     joined_ranks: List[int] = dataclasses.field(default_factory=list)
     join_done: bool = False   # every rank has joined and nothing is pending anywhere
     all_idle: bool = False    # no rank had anything pending or held when the cycle began
+    settled: bool = False     # everything pending anywhere was ready everywhere this cycle
     last_joined: int = -1     # with join_done: the rank that joined last
 
 
@@ -303,7 +304,11 @@ class Negotiator:
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
             return self._full_exchange(pending, outcome, joined)
         # Ready: pending (or joined) on every rank, and really pending on at least one.
-        ready_bits = words[base:base + n_ids] & ~words[base + n_ids:]
+        pending_anywhere = ~words[base + n_ids:]
+        ready_bits = words[base:base + n_ids] & pending_anywhere
+        # Once these are done, nothing waits on any rank: the next round can only start
+        # from a new submission.
+        outcome.settled = not self.joined_ranks and bool(np.all(ready_bits == pending_anywhere))
         bits = np.unpackbits(ready_bits.view(np.uint8), bitorder="little")
         for cache_id in np.flatnonzero(bits):
             name = self._names_by_id[int(cache_id)]

@@ -407,13 +407,20 @@ class Runtime:
                     self._join_request.payload = outcome.last_joined
                     self._complete(self._join_request)
                     self._join_request = None
-                busy = bool(self._pending or ready or self._scheduler.pending)
+                held = bool(self._pending or self._scheduler.pending)
+                busy = held or bool(ready)
                 self._quiet_cycles = 0 if busy else self._quiet_cycles + 1
-                # With nothing in flight anywhere, the next cycle starts from a submission
-                # (or after a long wait): the others join it once they submit too, and no
-                # tensor could be agreed before then anyway.
-                everyone_idle = (outcome.all_idle and not busy
+                # With nothing in flight anywhere (at this cycle's start, or once its ready
+                # tensors are done), the next cycle starts from a submission (or after a
+                # long wait): the others join it once they submit too, and no tensor could
+                # be agreed before then anyway.
+                everyone_idle = ((outcome.all_idle or outcome.settled) and not held
                                  and self._join_request is None)
+                if self._pending and self._caller_waiting():
+                    # A caller is blocked on tensors some rank has not submitted yet: the
+                    # next round waits for that rank's submission inside the collective,
+                    # so sleeping out the cycle here would only add to its latency.
+                    continue
                 self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle else cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
@@ -446,6 +453,10 @@ class Runtime:
             request.core_op, request.prescale, request.postscale = core_reduction(
                 ReduceOp[spec.op], spec.prescale, spec.postscale, self.size)
         return request
+
+    def _caller_waiting(self) -> bool:
+        with self._lock:
+            return self._waiters > 0
 
     def _stall_check_due(self, now: float) -> bool:
         warn = self.config.stall_warning_s
@@ -686,35 +697,15 @@ class Runtime:
         self.stats.bytes_sent += request.nbytes * (self.size - 1) // max(self.size, 1)
 
     def _adasum(self, requests: List[Request]) -> None:
-        """Adasum (Maleki et al.): pairs of ranks at distance 1, 2, 4, ... swap their vectors
-        and both replace them with (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, a being the
-        lower rank's. After log2(size) rounds every rank holds the same tree combination.
-        """
+        """Adasum (Maleki et al.) in the core: the tree combination of every rank's vector,
+        pairs at distance 1, 2, 4, ... combined as (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b,
+        moved by vector halving and distance doubling (csrc/adasum.cc)."""
         request = requests[0]
         out = request.output
-        wide = torch.float64 if out.dtype == torch.float64 else torch.float32
-        work = out.reshape(-1).to(wide, copy=True)
-        if request.prescale != 1.0:
-            work.mul_(request.prescale)
-        other = torch.empty_like(work)
-        distance = 1
-        while distance < self.size:
-            partner = self.rank ^ distance
-            self._data_comm.Sendrecv(work.numpy(), dest=partner, recvbuf=other.numpy(),
-                                     source=partner)
-            self.stats.bytes_sent += work.numel() * work.element_size()
-            a, b = (work, other) if self.rank < partner else (other, work)
-            a64, b64 = a.double(), b.double()  # the coefficients decide the result: exact sums
-            dot = float(torch.dot(a64, b64))
-            a_norm, b_norm = float(torch.dot(a64, a64)), float(torch.dot(b64, b64))
-            a_coeff = 1.0 - dot / (2.0 * a_norm) if a_norm >= 1e-8 else 1.0
-            b_coeff = 1.0 - dot / (2.0 * b_norm) if b_norm >= 1e-8 else 1.0
-            combined = a * a_coeff + b * b_coeff  # same operands, same order on both ranks
-            work.copy_(combined)
-            distance <<= 1
-        if request.postscale != 1.0:
-            work.mul_(request.postscale)
-        out.copy_(work.view(out.shape))
+        self._core.adasum(out.data_ptr(), out.numel(), DTYPE_CODES[out.dtype],
+                          request.prescale, request.postscale)
+        # Halving, then gathering back: about 2 (P-1)/P of the vector leaves each rank.
+        self.stats.bytes_sent += request.nbytes * 2 * (self.size - 1) // max(self.size, 1)
         self.stats.allreduce_tensors += 1
 
     def _broadcast(self, requests: List[Request]) -> None:

@@ -48,6 +48,11 @@ if P & (P - 1) == 0:
     hvd.allreduce_(t, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5, name="scaled")
     out["scaled"] = t.tolist()
     out["zeros"] = hvd.allreduce(torch.zeros(5, dtype=torch.float64), op=hvd.Adasum).tolist()
+    # Fewer elements than ranks: some ranks hold empty pieces while the vector is halved.
+    out["tiny"] = [hvd.allreduce(torch.tensor(vec(n, 7 + n)), op=hvd.Adasum,
+                                 name=f"tiny{n}").tolist() for n in (1, 2, 3)]
+    out["bf16"] = hvd.allreduce(torch.tensor(vec(40, 8), dtype=torch.bfloat16), op=hvd.Adasum,
+                                name="bf16").float().tolist()
     try:
         hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
     except ValueError as exc:
@@ -62,11 +67,11 @@ report(out)
 '''
 
 
-@pytest.mark.parametrize("np_", [2, 4])
+@pytest.mark.parametrize("np_", [2, 4, 8])
 def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
     results = run_ranks(np_, ALLREDUCE, tmp_path, timeout=90)
     for out in results:
-        for key in ("f64", "f32", "f16", "grouped", "scaled"):
+        for key in ("f64", "f32", "f16", "bf16", "grouped", "scaled", "tiny"):
             assert out[key] == results[0][key], key  # bitwise identical on every rank
     ref = lambda n, seed: adasum_tree([rank_vector(r, n, seed) for r in range(np_)])  # noqa: E731
     out = results[0]
@@ -81,6 +86,11 @@ def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
     scaled = 0.5 * adasum_tree([2.0 * rank_vector(r, 20, 6) for r in range(np_)])
     np.testing.assert_allclose(out["scaled"], scaled, rtol=1e-12, atol=1e-12)
     assert out["zeros"] == [0.0] * 5
+    for n, got in zip((1, 2, 3), out["tiny"]):
+        np.testing.assert_allclose(got, ref(n, 7 + n), rtol=1e-12, atol=1e-12)
+    bf16_inputs = [torch.tensor(rank_vector(r, 40, 8), dtype=torch.bfloat16).double().numpy()
+                   for r in range(np_)]
+    np.testing.assert_allclose(out["bf16"], adasum_tree(bf16_inputs), rtol=2e-2, atol=2e-2)
     assert "floating-point" in out["int error"]
     assert out["after"] == [float(np_)] * 2
 

@@ -167,3 +167,28 @@ def test_idle_ranks_do_not_cycle_and_a_late_submission_is_agreed_at_once(tmp_pat
         assert got["sum"] == [3.0, 3.0, 3.0]
     assert results[1]["waited"] < 0.25, results
     assert 0.2 < results[0]["waited"] < 0.8, results
+
+
+BLOCKING_SEQUENCE = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="warm")
+before = hvd.communication_stats()["cycles"]
+sums = []
+for i in range(40):
+    time.sleep(0.005)  # a little compute between blocking calls, longer than a cycle
+    sums.append(hvd.allreduce(torch.full((3,), float(hvd.rank() + i)), op=hvd.Sum,
+                              name="metric").tolist())
+report({"cycles": hvd.communication_stats()["cycles"] - before, "sums": sums})
+'''
+
+
+def test_blocking_calls_cost_one_agreement_round_each(tmp_path):
+    """Once a round's tensors were all ready everywhere, no round runs until the next
+    submission: a blocking call between bits of compute costs one round, not a timed
+    empty round after it as well (that was 80 rounds for these 40 calls)."""
+    results = run_ranks(2, BLOCKING_SEQUENCE, tmp_path, timeout=60)
+    for rank, got in enumerate(results):
+        assert got["cycles"] <= 50, (rank, got["cycles"])
+        assert got["sums"] == [[float(2 * i + 1)] * 3 for i in range(40)]
