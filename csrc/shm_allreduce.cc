@@ -151,7 +151,15 @@ ShmAllreduce::ShmAllreduce(MPI_Comm comm, std::size_t slot_bytes) {
       line->pid = 0;
     }
   }
+  // Fault the window in now, each rank its own slots first and then every page of it: the
+  // allreduces touch every slot from every process, and otherwise the first of them pay a
+  // page fault per 4 KiB each (the first two 1 MiB allreduces at 2 ranks took 1.5-2.5 ms
+  // instead of 0.4 ms).
+  for (int half = 0; half < 2; ++half) std::memset(slot(rank_, half), 0, slot_bytes_);
   MPI_Barrier(comm_);
+  const std::size_t slots_total = 2 * slot_bytes_ * static_cast<std::size_t>(size_);
+  const volatile char* window = slots_;  // volatile: the reads are the point
+  for (std::size_t off = 0; off < slots_total; off += 4096) (void)window[off];
   (&header_->ranks[0] + rank_)->pid = static_cast<std::int64_t>(getpid());
   MPI_Barrier(comm_);
   // A peer whose pid this process cannot see (another pid namespace) is never declared dead.
