@@ -197,3 +197,56 @@ def test_grouped_allreduce_is_differentiable_and_fresh_state_gets_zero_grads(tmp
             assert torch.allclose(torch.tensor(part["y_grad"]),
                                   torch.full((2, 3), float(weights_y) / divide)), (r, op_name)
         assert got["grads_after_broadcast"] == [None, [0.0, 0.0]]
+
+
+FP16_OPTIMIZER = r'''
+import copy, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Tanh(), torch.nn.Linear(200, 3))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.fp16)
+steps = []
+for step in range(3):
+    g = torch.Generator().manual_seed(100 * step + r)
+    x, y = torch.randn(8, 300, generator=g), torch.randn(8, 3, generator=g)
+    plain = copy.deepcopy(model)  # this rank's own gradient, without the optimizer
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    local = [p.grad.clone() for p in plain.parameters()]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    reduced = [p.grad.clone() for p in model.parameters()]
+    with opt.skip_synchronize():
+        opt.step()
+    gathered = [hvd.allgather(t.unsqueeze(0), name=f"local.{step}.{i}")
+                for i, t in enumerate(local)]
+    steps.append({"reduced": [t.tolist() for t in reduced],
+                  "dtypes": [str(t.dtype) for t in reduced],
+                  "all_local": [t.tolist() for t in gathered]})
+report(steps)
+'''
+
+
+def test_fp16_compressed_gradients_are_each_steps_average(tmp_path):
+    """Compression.fp16 through DistributedOptimizer: every step's reduced gradient is the
+    average of that step's float16-rounded local gradients (float32 again in .grad), also
+    on the steps that reuse the previous step's wire buffers."""
+    results = run_ranks(2, FP16_OPTIMIZER, tmp_path, timeout=90)
+    for step in range(3):
+        for rank in range(2):
+            got = results[rank][step]
+            assert got["dtypes"] == ["torch.float32"] * 4
+            assert got["reduced"] == results[0][step]["reduced"]
+            for reduced, all_local in zip(got["reduced"], got["all_local"]):
+                halves = torch.tensor(all_local).half().float()
+                expected = halves.mean(0)
+                torch.testing.assert_close(torch.tensor(reduced), expected,
+                                           rtol=2e-3, atol=2e-5)
+                # Not the exact float32 average: the values did travel as float16.
+                if step == 0 and expected.numel() > 100:
+                    exact = torch.tensor(all_local).mean(0)
+                    assert not torch.equal(torch.tensor(reduced), exact)

@@ -21,3 +21,16 @@ class FP16Compressor(Compressor):
         if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
             tensor = tensor.to(ctx)
         return tensor
+
+    # Forms that write into tensors the caller keeps (DistributedOptimizer's gradients and
+    # wire buffers): a cast straight into place, with no new tensor per step.
+    @staticmethod
+    def compress_into(tensor: torch.Tensor, out: torch.Tensor):
+        """compress() into `out`, a tensor that an earlier compress() of the same shape returned."""
+        out.copy_(tensor)
+        return tensor.dtype
+
+    @staticmethod
+    def decompress_into(tensor: torch.Tensor, ctx, out: torch.Tensor) -> None:
+        """decompress() into `out`, the tensor that was compressed."""
+        out.copy_(tensor)

@@ -114,6 +114,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  if p.requires_grad]
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], object]] = {}
+        # Each parameter's last compressed payload, reused by compressors with compress_into.
+        self._wire_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = []
@@ -239,10 +241,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                         prescale_factor=prescale, postscale_factor=postscale,
                                         compression=self._compression)
             return handle, None
-        compressed, ctx = self._compression.compress(grad)
+        compressed, ctx = self._compress(p, grad)
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
         return handle, ctx
+
+    def _compress(self, p: torch.Tensor, grad: torch.Tensor):
+        """The compressor's payload for `grad`, written into last step's payload when the
+        compressor can (its reduction finished in synchronize(), so the memory is free)."""
+        into = getattr(self._compression, "compress_into", None)
+        wire = self._wire_buffers.get(p)
+        if (into is not None and wire is not None and wire.shape == grad.shape
+                and not grad.is_sparse):
+            with torch.no_grad():
+                return wire, into(grad, wire)
+        compressed, ctx = self._compression.compress(grad)
+        if (into is not None and isinstance(compressed, torch.Tensor)
+                and compressed.data_ptr() != grad.data_ptr()):
+            self._wire_buffers[p] = compressed
+        return compressed, ctx
 
     def _adasum_delta_async(self, p: torch.Tensor):
         """Step the wrapped optimizer on `p` alone, turn `p` into the step's delta and start
@@ -289,6 +306,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 errors.append(exc)
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
+            into = getattr(self._compression, "decompress_into", None)
+            if (into is not None and ctx is not _SPARSE and not self._adasum
+                    and not p.grad.is_sparse):
+                with torch.no_grad():
+                    into(output, ctx, p.grad)  # one cast into place, no decoded copy
+                continue
             result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
             if self._adasum:
                 with torch.no_grad():
