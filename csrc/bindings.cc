@@ -275,6 +275,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("factor"));
   m.def(
+      "sum_squares",
+      [](std::uintptr_t buf, std::size_t count, int dtype) {
+        const DType t = dtype_from_int(dtype);
+        py::gil_scoped_release release;
+        return sum_of_squares(as_pointer(buf), count, t);
+      },
+      py::arg("address"), py::arg("count"), py::arg("dtype"),
+      "Sum of the squares of `count` elements at `address`, accumulated in double.");
+  m.def(
       "pack",
       [](const std::vector<std::uintptr_t>& addresses, const std::vector<std::size_t>& bytes,
          std::uintptr_t dst) {

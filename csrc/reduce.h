@@ -14,4 +14,7 @@ void reduce_into(void* dst, const void* src, std::size_t count, DType dtype, Red
 // are truncated toward zero).
 void scale_in_place(void* buf, std::size_t count, DType dtype, double factor);
 
+// Sum of buf[i]^2 for i < count, accumulated in double (any dtype; 16-bit floats widened).
+double sum_of_squares(const void* buf, std::size_t count, DType dtype);
+
 }  // namespace fusionring

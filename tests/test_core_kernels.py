@@ -81,3 +81,14 @@ def test_invalid_codes_raise_value_error():
         _C.reduce_into(x.data_ptr(), x.data_ptr(), 4, 99, 0)
     with pytest.raises(ValueError, match="op"):
         _C.reduce_into(x.data_ptr(), x.data_ptr(), 4, 0, 42)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16])
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 1000003])
+def test_sum_squares_matches_numpy_in_double(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 5).to(dtype)
+    expected = float(np.sum(x.double().numpy() ** 2))
+    got = _C.sum_squares(x.data_ptr(), x.numel(), DTYPE_CODES[dtype])
+    assert got == pytest.approx(expected, rel=1e-12, abs=0.0)

@@ -35,8 +35,16 @@ import numpy as np
 import torch
 
 from .. import _C
-from ..runtime import contiguous_view
+from ..runtime import DTYPE_CODES, contiguous_view
 from .base import Compressor, Memory
+
+
+def _squares(t: torch.Tensor) -> float:
+    """Sum of squares in double: one pass in the core for CPU tensors, no double copy."""
+    if t.device.type == "cpu" and t.is_contiguous() and t.dtype in DTYPE_CODES:
+        return _C.sum_squares(t.data_ptr(), t.numel(), DTYPE_CODES[t.dtype])
+    return float(t.double().square().sum())
+
 
 MAX_M = 32
 # The shared-mask reduction runs as a pipeline over chunks of about this many dense elements:
@@ -593,8 +601,8 @@ class NMCompressor(Compressor):
                        x: torch.Tensor) -> None:
         # Standalone use has no collective: the adaptive schedule sees local statistics.
         if isinstance(self.schedule, AdaptiveSchedule):
-            held = float(residual.double().square().sum()) if residual is not None else 0.0
-            self.schedule.observe(state, held / max(float(x.double().square().sum()), 1e-300))
+            held = _squares(residual) if residual is not None else 0.0
+            self.schedule.observe(state, held / max(_squares(x), 1e-300))
 
     # ------------------------------------------------------------------ runtime path
     def communicate(self, core, buffer: Optional[torch.Tensor], requests) -> int:
@@ -698,9 +706,9 @@ class NMCompressor(Compressor):
                     _C.nm_gather(x.data_ptr(), 0, hi - lo, words, part.data_ptr(), code,
                                  0 if seg.residual is None else seg.residual.data_ptr() + 4 * lo)
                 if adaptive and seg.key is not None:
-                    seg.held += (float(seg.residual[lo:hi].double().square().sum())
+                    seg.held += (_squares(seg.residual[lo:hi])
                                  if seg.residual is not None else 0.0)
-                    seg.total += float(x.double().square().sum())
+                    seg.total += _squares(x)
 
         def reduce(k: int) -> None:
             lo, hi = chunks[k][0][3], chunks[k][-1][3] + chunks[k][-1][4]
@@ -778,10 +786,10 @@ class NMCompressor(Compressor):
                 else:
                     self.memory.update(key, residual[part].clone())
             if adaptive:
-                held = (float(residual[part].double().square().sum())
+                held = (_squares(residual[part])
                         if residual is not None else 0.0)
                 ratios.append((self._state(key), held,
-                               float(compensated[part].double().square().sum())))
+                               _squares(compensated[part])))
         self.stats["payload_bytes"] += (
             _C.nm_kept_count(sub.numel(), n, m) * torch.empty(0, dtype=self.values).element_size()
             + 8 * _C.nm_mask_words(sub.numel()))
