@@ -266,7 +266,16 @@ class Negotiator:
         `joined`: this rank is inside join(); `idle`: it holds nothing else unfinished.
         """
         self.cycles += 1
-        uncached = any(self._cached(name, spec) is None for name, spec, _ in pending)
+        # Bit sets as Python ints: one conversion to words per cycle instead of a numpy
+        # scalar operation per pending tensor.
+        mine = 0
+        uncached = False
+        for name, spec, _ in pending:
+            entry = self._cached(name, spec)
+            if entry is None:
+                uncached = True
+            else:
+                mine |= 1 << entry.cache_id
         if self.joined_ranks and not joined and any(
                 not self._joinable(spec, self.joined_ranks) for _, spec, _ in pending):
             uncached = True  # rank 0 decides (an allgather's rows, or the error to raise)
@@ -274,25 +283,23 @@ class Negotiator:
                  | (FLAG_STALL_CHECK if stall_check else 0))
         n_ids = (len(self._names_by_id) + 63) // 64
         base = _HEADER_WORDS + self._rank_words
-        words = np.zeros(base + 2 * n_ids, dtype=np.uint64)
-        words[0] = np.uint64(~flags & 0xFFFFFFFFFFFFFFFF)
-        words[1] = np.uint64(1 if flush else 0)
-        words[2] = np.uint64(1 if idle and not pending else 0)
+        all_ones = (1 << (64 * n_ids)) - 1
         # Joined ranks and the OR of pending bits travel inverted through the AND.
-        words[_HEADER_WORDS:base] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        joined_words = (1 << (64 * self._rank_words)) - 1
+        really_pending = mine  # before a joined rank adds what it stands in for
         if joined:
-            words[_HEADER_WORDS + self.rank // 64] ^= np.uint64(1 << (self.rank % 64))
-        mine = np.zeros(n_ids, dtype=np.uint64)
-        for name, spec, _ in pending:
-            entry = self._cached(name, spec)
-            if entry is not None:
-                mine[entry.cache_id // 64] |= np.uint64(1 << (entry.cache_id % 64))
-        words[base + n_ids:] = ~mine
-        if joined:
+            joined_words ^= 1 << self.rank
             for cache_id, name in enumerate(self._names_by_id):
                 if self._joinable(self._cache[name].spec, [self.rank]):
-                    mine[cache_id // 64] |= np.uint64(1 << (cache_id % 64))
-        words[base:base + n_ids] = mine
+                    mine |= 1 << cache_id
+        words = np.empty(base + 2 * n_ids, dtype=np.uint64)
+        words[:_HEADER_WORDS] = (~flags & 0xFFFFFFFFFFFFFFFF, 1 if flush else 0,
+                                 1 if idle and not pending else 0)
+        words[_HEADER_WORDS:] = np.frombuffer(
+            joined_words.to_bytes(8 * self._rank_words, "little")
+            + mine.to_bytes(8 * n_ids, "little")
+            + (all_ones & ~really_pending).to_bytes(8 * n_ids, "little"),
+            dtype=np.uint64)
         self._core.band_allreduce(words.ctypes.data, words.size)
         all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
         outcome = Outcome(flush=bool(words[1]), all_idle=bool(words[2]))
@@ -304,16 +311,19 @@ class Negotiator:
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
             return self._full_exchange(pending, outcome, joined)
         # Ready: pending (or joined) on every rank, and really pending on at least one.
-        pending_anywhere = ~words[base + n_ids:]
-        ready_bits = words[base:base + n_ids] & pending_anywhere
+        tail = words[base:].tobytes()
+        everywhere = int.from_bytes(tail[:8 * n_ids], "little")
+        pending_anywhere = all_ones & ~int.from_bytes(tail[8 * n_ids:], "little")
+        ready_bits = everywhere & pending_anywhere
         # Once these are done, nothing waits on any rank: the next round can only start
         # from a new submission.
-        outcome.settled = not self.joined_ranks and bool(np.all(ready_bits == pending_anywhere))
-        bits = np.unpackbits(ready_bits.view(np.uint8), bitorder="little")
-        for cache_id in np.flatnonzero(bits):
-            name = self._names_by_id[int(cache_id)]
+        outcome.settled = not self.joined_ranks and ready_bits == pending_anywhere
+        while ready_bits:
+            low = ready_bits & -ready_bits
+            name = self._names_by_id[low.bit_length() - 1]
             entry = self._cache[name]
             outcome.ready.append(Ready(name, entry.first_dims, entry.spec))
+            ready_bits ^= low
         return outcome
 
     @staticmethod
@@ -323,6 +333,9 @@ class Negotiator:
             spec.kind == "broadcast" and spec.root in joined)
 
     def _note_joined(self, joined_words, outcome: Outcome, all_idle: bool) -> None:
+        if not self._joined_since and not joined_words.any():
+            self.joined_ranks = outcome.joined_ranks = []  # the usual case: nobody joined
+            return
         bits = np.unpackbits(np.ascontiguousarray(joined_words).view(np.uint8),
                              bitorder="little")
         ranks = [int(r) for r in np.flatnonzero(bits[:self.size])]

@@ -581,7 +581,7 @@ class Runtime:
                                     {"tensors": len(requests), "bytes": total,
                                      "transport": "shared memory"})
             return
-        contiguous = contiguous_view([r.output for r in requests])
+        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
         if len(requests) == 1:
             buffer = first.output
         elif contiguous is not None:  # already laid out as one buffer (a plan's group)
