@@ -285,10 +285,10 @@ class Negotiator:
         base = _HEADER_WORDS + self._rank_words
         all_ones = (1 << (64 * n_ids)) - 1
         # Joined ranks and the OR of pending bits travel inverted through the AND.
-        joined_words = (1 << (64 * self._rank_words)) - 1
+        not_joined = (1 << (64 * self._rank_words)) - 1
         really_pending = mine  # before a joined rank adds what it stands in for
         if joined:
-            joined_words ^= 1 << self.rank
+            not_joined ^= 1 << self.rank
             for cache_id, name in enumerate(self._names_by_id):
                 if self._joinable(self._cache[name].spec, [self.rank]):
                     mine |= 1 << cache_id
@@ -296,14 +296,21 @@ class Negotiator:
         words[:_HEADER_WORDS] = (~flags & 0xFFFFFFFFFFFFFFFF, 1 if flush else 0,
                                  1 if idle and not pending else 0)
         words[_HEADER_WORDS:] = np.frombuffer(
-            joined_words.to_bytes(8 * self._rank_words, "little")
+            not_joined.to_bytes(8 * self._rank_words, "little")
             + mine.to_bytes(8 * n_ids, "little")
             + (all_ones & ~really_pending).to_bytes(8 * n_ids, "little"),
             dtype=np.uint64)
         self._core.band_allreduce(words.ctypes.data, words.size)
-        all_flags = int(~words[0]) & 0xFFFFFFFFFFFFFFFF
-        outcome = Outcome(flush=bool(words[1]), all_idle=bool(words[2]))
-        self._note_joined(~words[_HEADER_WORDS:base], outcome, all_idle=bool(words[2]))
+        raw = words.tobytes()
+
+        def field(lo: int, hi: int) -> int:  # words [lo, hi) as one integer
+            return int.from_bytes(raw[8 * lo:8 * hi], "little")
+
+        all_flags = ~field(0, 1) & 0xFFFFFFFFFFFFFFFF
+        all_idle = bool(field(2, 3))
+        outcome = Outcome(flush=bool(field(1, 2)), all_idle=all_idle)
+        rank_ones = (1 << (64 * self._rank_words)) - 1
+        self._note_joined(rank_ones & ~field(_HEADER_WORDS, base), outcome, all_idle=all_idle)
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
             outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
@@ -311,9 +318,8 @@ class Negotiator:
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
             return self._full_exchange(pending, outcome, joined)
         # Ready: pending (or joined) on every rank, and really pending on at least one.
-        tail = words[base:].tobytes()
-        everywhere = int.from_bytes(tail[:8 * n_ids], "little")
-        pending_anywhere = all_ones & ~int.from_bytes(tail[8 * n_ids:], "little")
+        everywhere = field(base, base + n_ids)
+        pending_anywhere = all_ones & ~field(base + n_ids, base + 2 * n_ids)
         ready_bits = everywhere & pending_anywhere
         # Once these are done, nothing waits on any rank: the next round can only start
         # from a new submission.
@@ -332,13 +338,12 @@ class Negotiator:
         return spec.kind in _JOINABLE_FROM_CACHE and not spec.compression and not (
             spec.kind == "broadcast" and spec.root in joined)
 
-    def _note_joined(self, joined_words, outcome: Outcome, all_idle: bool) -> None:
-        if not self._joined_since and not joined_words.any():
+    def _note_joined(self, joined: int, outcome: Outcome, all_idle: bool) -> None:
+        """`joined`: the bit set of ranks inside join() this round."""
+        if not joined and not self._joined_since:
             self.joined_ranks = outcome.joined_ranks = []  # the usual case: nobody joined
             return
-        bits = np.unpackbits(np.ascontiguousarray(joined_words).view(np.uint8),
-                             bitorder="little")
-        ranks = [int(r) for r in np.flatnonzero(bits[:self.size])]
+        ranks = [r for r in range(self.size) if joined >> r & 1]
         for r in ranks:
             self._joined_since.setdefault(r, self.cycles)
         for r in list(self._joined_since):
