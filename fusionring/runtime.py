@@ -40,6 +40,9 @@ _QUIET_BACKOFF = 10
 # With nothing in flight on any rank, a loop waits this long for a submission of its own
 # before the next cycle (a submission or a shutdown still starts one at once).
 _ALL_IDLE_WAIT_S = 0.05
+# How long a loop whose caller is blocked runs rounds back to back before it goes back to
+# timed cycles (a late rank usually submits within this; a stuck one is left to stall checks).
+_EAGER_ROUNDS_S = 0.05
 
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
@@ -164,6 +167,7 @@ class Runtime:
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
         self._quiet_cycles = 0
+        self._eager_since: Optional[float] = None  # back-to-back rounds for a waiting caller
         self._join_request: Optional[Request] = None  # set while this rank is inside join()
         self._fusion_buffers: Dict[torch.dtype, torch.Tensor] = {}
         # Collectives other than allreduce, one request at a time, in response order.
@@ -416,11 +420,18 @@ class Runtime:
                 # be agreed before then anyway.
                 everyone_idle = ((outcome.all_idle or outcome.settled) and not held
                                  and self._join_request is None)
-                if self._pending and self._caller_waiting():
+                if ready or not self._pending:
+                    self._eager_since = None
+                elif self._caller_waiting():
                     # A caller is blocked on tensors some rank has not submitted yet: the
                     # next round waits for that rank's submission inside the collective,
-                    # so sleeping out the cycle here would only add to its latency.
-                    continue
+                    # so sleeping out the cycle here would only add to its latency. Only for
+                    # a while: ranks stuck on different tensors would otherwise spin rounds.
+                    now = time.monotonic()
+                    if self._eager_since is None:
+                        self._eager_since = now
+                    if now - self._eager_since < _EAGER_ROUNDS_S:
+                        continue
                 self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle else cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "

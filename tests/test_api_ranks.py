@@ -192,3 +192,33 @@ def test_blocking_calls_cost_one_agreement_round_each(tmp_path):
     for rank, got in enumerate(results):
         assert got["cycles"] <= 50, (rank, got["cycles"])
         assert got["sums"] == [[float(2 * i + 1)] * 3 for i in range(40)]
+
+
+STUCK_ON_DIFFERENT_TENSORS = r'''
+import os, threading, time, torch
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+rt = runtime.get()
+handle = hvd.allreduce_async(torch.ones(3), name=f"only_on_rank_{hvd.rank()}")
+def wait():
+    try:
+        hvd.synchronize(handle)
+    except Exception:
+        pass
+threading.Thread(target=wait, daemon=True).start()
+time.sleep(0.3)
+before, t = rt.stats.cycles, time.monotonic()
+time.sleep(1.0)
+report({"rounds_per_s": (rt.stats.cycles - before) / (time.monotonic() - t)})
+os._exit(0)  # the tensors can never be agreed; leave without the shutdown round
+'''
+
+
+def test_ranks_waiting_on_different_tensors_keep_to_timed_rounds(tmp_path):
+    """A blocked caller gets back-to-back rounds only briefly: ranks stuck on tensors that
+    can never be agreed go back to one round per cycle (not ~12 000 per second)."""
+    results = run_ranks(2, STUCK_ON_DIFFERENT_TENSORS, tmp_path, timeout=60,
+                        env={"FUSIONRING_STALL_WARNING_S": "100"})
+    for rank, got in enumerate(results):
+        assert got["rounds_per_s"] < 2000, (rank, got)
