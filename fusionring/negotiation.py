@@ -285,7 +285,8 @@ class Negotiator:
         base = _HEADER_WORDS + self._rank_words
         all_ones = (1 << (64 * n_ids)) - 1
         # Joined ranks and the OR of pending bits travel inverted through the AND.
-        not_joined = (1 << (64 * self._rank_words)) - 1
+        rank_ones = (1 << (64 * self._rank_words)) - 1
+        not_joined = rank_ones
         really_pending = mine  # before a joined rank adds what it stands in for
         if joined:
             not_joined ^= 1 << self.rank
@@ -309,7 +310,6 @@ class Negotiator:
         all_flags = ~field(0, 1) & 0xFFFFFFFFFFFFFFFF
         all_idle = bool(field(2, 3))
         outcome = Outcome(flush=bool(field(1, 2)), all_idle=all_idle)
-        rank_ones = (1 << (64 * self._rank_words)) - 1
         self._note_joined(rank_ones & ~field(_HEADER_WORDS, base), outcome, all_idle=all_idle)
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
