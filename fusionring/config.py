@@ -98,6 +98,21 @@ def _mpi_peers_remote() -> bool:
     return os.environ.get("MPIR_CVAR_NOLOCAL", "0").strip() not in ("", "0")
 
 
+# What other launchers set to tell a process how many peers it has (torchrun, Open MPI's
+# mpirun, MPICH's Hydra, horovodrun). Checked at init when MPI sees one process.
+_LAUNCHER_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE")
+
+
+def launcher_world_size() -> Optional[tuple]:
+    """(variable, size) for the first launcher variable that announces more than one
+    process, else None."""
+    for name in _LAUNCHER_SIZE_VARIABLES:
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 1:
+            return name, int(raw)
+    return None
+
+
 def _shared_memory_default(default: str) -> str:
     return "off" if _mpi_peers_remote() else default
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
-from .config import Settings, settings
+from .config import Settings, launcher_world_size, settings
 from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from .negotiation import Negotiator, Ready, TensorSpec
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
@@ -793,6 +793,24 @@ _runtime: Optional[Runtime] = None
 _atexit_registered = False
 
 
+def _check_not_a_lone_copy(MPI) -> None:
+    """Fail when a launcher started several processes but MPI sees only this one.
+
+    That happens under torchrun, or under another MPI's mpirun than the one mpi4py was
+    built with: each process would train alone, silently, as a world of one.
+    """
+    announced = launcher_world_size()
+    if announced is None:
+        return
+    variable, size = announced
+    raise FusionRingError(
+        f"{variable}={size}: this process was started as one of {size}, but MPI "
+        f"({' '.join(MPI.Get_library_version().split()[:3])}) sees a world of 1. "
+        f"fusionring's ranks are MPI processes: launch with `fusionrun -np {size} python ...` "
+        f"or the mpirun/mpiexec of the MPI that mpi4py was built with, not torchrun or "
+        f"another MPI's launcher (unset {variable} to run a single process).")
+
+
 def init(comm=None) -> Runtime:
     """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
     global _runtime, _atexit_registered
@@ -806,6 +824,8 @@ def init(comm=None) -> Runtime:
         if comm == MPI.COMM_NULL:
             raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()} is not among the ranks {ranks} "
                              f"passed to init(); every process must call init() with its ranks")
+    elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
+        _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
     if not _atexit_registered:
         atexit.register(shutdown)

@@ -235,6 +235,44 @@ def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
     assert done.returncode == 7
 
 
+INIT_AND_REPORT = ("import fusionring.torch as hvd; hvd.init(); "
+                   "print('size', hvd.size(), flush=True)")
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_a_process_that_a_launcher_counts_as_one_of_many_refuses_a_world_of_one(variable):
+    env = _env()
+    env[variable] = "3"
+    done = subprocess.run([sys.executable, "-c", INIT_AND_REPORT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"{variable}=3" in done.stderr and "fusionrun -np 3" in done.stderr, done.stderr
+    assert "size" not in done.stdout
+
+
+def test_a_launcher_that_counts_one_process_is_fine():
+    env = _env()
+    env["WORLD_SIZE"] = "1"
+    done = subprocess.run([sys.executable, "-c", INIT_AND_REPORT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["size", "1"]
+
+
+def test_torchrun_gets_an_error_on_every_rank_instead_of_lone_training(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(INIT_AND_REPORT.replace("; ", "\n"))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = ([str(torchrun)] if torchrun.exists() else
+               [sys.executable, "-m", "torch.distributed.run"])
+    done = subprocess.run(command + ["--nproc_per_node", "2", "--master_port", "0", str(script)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.count("WORLD_SIZE=2: this process was started as one of 2") == 2, \
+        done.stderr
+    assert "size" not in done.stdout
+
+
 # ------------------------------------------------------------------------ horovodrun's options
 
 def test_horovodrun_hosts_become_each_mpis_own_host_list(fake_mpiexec):
