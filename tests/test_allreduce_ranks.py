@@ -123,6 +123,54 @@ def test_shared_memory_transport_matches_numpy(np_, tmp_path):
         assert failures == [], f"rank {rank}: {failures[:10]}"
 
 
+TWO_RANK_TRANSPORT = r'''
+import json, os, torch
+import fusionring.torch as hvd
+from fusionring import runtime as _rt
+from fusionring.scheduler import PLAN, SINGLE, THRESHOLD
+hvd.init()
+rt = _rt.get()
+if not rt.shared_memory:
+    report("no window")  # fewer cores than ranks: auto leaves the window off
+else:
+    def requests(*sizes):
+        return [_rt.Request(f"t{i}", None, torch.empty(n // 4), None) for i, n in enumerate(sizes)]
+    rule = {
+        "one tensor": rt._through_shared_memory(requests(1 << 20), SINGLE),
+        "plan group": rt._through_shared_memory(requests(1 << 19, 1 << 19), PLAN),
+        "threshold batch": rt._through_shared_memory(requests(1 << 19, 1 << 19), THRESHOLD),
+        "small threshold batch": rt._through_shared_memory(requests(1024, 1024), THRESHOLD),
+    }
+    path = os.path.join(os.environ["FR_TEST_OUT"], "timeline.json")
+    hvd.start_timeline(path)
+    x = torch.full((1 << 18,), float(hvd.rank() + 1))
+    y = hvd.allreduce(x, name="single", op=hvd.Sum)
+    hvd.stop_timeline()
+    transports = []
+    if hvd.rank() == 0:
+        events = json.load(open(path))
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        transports = [e.get("args", {}).get("transport", "ring") for e in events
+                      if e.get("name") == "reduce"]
+    report({"rule": rule, "transports": transports, "sum_ok": bool(torch.all(y == 3.0))})
+'''
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_two_ranks_use_the_window_only_where_it_saves_the_pack(mode, tmp_path):
+    results = run_ranks(2, TWO_RANK_TRANSPORT, tmp_path, timeout=90,
+                        env={"FUSIONRING_SHARED_MEMORY": mode})
+    if results[0] == "no window":
+        assert mode == "auto"
+        pytest.skip("fewer cores than ranks: auto keeps the ring")
+    on = mode == "on"
+    expected = {"one tensor": on, "plan group": on, "threshold batch": True,
+                "small threshold batch": False}
+    for result in results:
+        assert result["rule"] == expected and result["sum_ok"]
+    assert results[0]["transports"] == ["shared memory" if on else "ring"]
+
+
 @pytest.mark.parametrize("np_", [3])
 def test_sleeping_waits_match_numpy(np_, tmp_path):
     # The wait policy used across a network: test, then nap between tests (negotiation too).
