@@ -316,7 +316,8 @@ class Negotiator:
             outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
             return outcome
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
-            return self._full_exchange(pending, outcome, joined)
+            return self._full_exchange(pending, outcome, joined,
+                                       check_stalls=bool(all_flags & FLAG_STALL_CHECK))
         # Ready: pending (or joined) on every rank, and really pending on at least one.
         everywhere = field(base, base + n_ids)
         pending_anywhere = all_ones & ~field(base + n_ids, base + 2 * n_ids)
@@ -357,13 +358,18 @@ class Negotiator:
             self._joined_since.clear()
             self.joined_ranks = []
 
-    def _full_exchange(self, pending, outcome: Outcome, joined: bool = False) -> Outcome:
+    def _full_exchange(self, pending, outcome: Outcome, joined: bool = False,
+                       check_stalls: bool = False) -> Outcome:
         self.full_exchanges += 1
         report = _Report(self.rank, list(pending), joined)
         reports = self._comm.gather(report, root=0)
         decided = None
         if self.rank == 0:
-            decided = coordinate(reports, self._stall_warning_s, self._stall_shutdown_s)
+            # Stalls only on the rounds a rank asked to check (at most every half stall
+            # limit): a name no other rank submits keeps every round a full exchange, and
+            # would otherwise repeat the warning each cycle.
+            decided = coordinate(reports, self._stall_warning_s if check_stalls else None,
+                                 self._stall_shutdown_s if check_stalls else None)
         decided = self._comm.bcast(decided, root=0)
         specs = {name: spec for name, spec, _ in pending}
         for item in decided.ready:
