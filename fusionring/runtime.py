@@ -32,7 +32,7 @@ from .exceptions import FusionRingError, NotInitializedError, StallError, Tensor
 from .negotiation import Negotiator, Ready, TensorSpec
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
 from .scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
-from .timeline import Timeline
+from .timeline import Timeline, recording_phases
 
 _SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
@@ -323,6 +323,20 @@ class Runtime:
         old, self._timeline = self._timeline, None
         if old is not None:
             old.close()
+
+    @property
+    def tracing(self) -> bool:
+        """Whether this rank records a timeline now (rank 0, FUSIONRING_TIMELINE or
+        start_timeline)."""
+        return self._timeline is not None
+
+    def record_span(self, lane: str, phase: str, start: float, end: float,
+                    args: Optional[dict] = None) -> None:
+        """Add a phase measured outside the runtime (a caller-side compress or decompress)
+        to the timeline, if one is being recorded; times are time.perf_counter() seconds."""
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.span(lane, phase, start, end, args)
 
     @property
     def alive(self) -> bool:
@@ -624,7 +638,10 @@ class Runtime:
         t1 = time.perf_counter()
         wire_bytes = None  # a compressor that reduces itself may report what it sent
         if first.communicator is not None:
-            wire_bytes = first.communicator(self._core, buffer, requests)
+            # Its encode and decode overlap the ring, so they get a lane of their own.
+            with recording_phases(self._timeline, f"{lane} (compression)",
+                                  {"tensors": len(requests), "bytes": total}):
+                wire_bytes = first.communicator(self._core, buffer, requests)
         else:
             self._core.allreduce(buffer.data_ptr(), buffer.numel(), code, first.core_op,
                                  first.prescale, first.postscale, self.config.ring_segment_bytes,
@@ -880,6 +897,12 @@ def using(runtime: Optional[Runtime]):
 def current() -> Optional[Runtime]:
     """The process set's runtime operations are routed to here, or None (global)."""
     return _current.get()
+
+
+def routed() -> Optional[Runtime]:
+    """The runtime operations started here go to (a process set's, or the global one), or
+    None before init()."""
+    return _current.get() or _runtime
 
 
 def get(what: str = "this operation") -> Runtime:

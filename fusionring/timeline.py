@@ -1,11 +1,39 @@
 """Chrome-trace timeline (chrome://tracing, Perfetto): one span per group and phase."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
+
+# phase name, start, end (time.perf_counter seconds)
+PhaseRecorder = Callable[[str, float, float], None]
+_recorder: "contextvars.ContextVar[Optional[PhaseRecorder]]" = contextvars.ContextVar(
+    "fusionring_phase_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording_phases(timeline: Optional["Timeline"], lane: str,
+                     args: Optional[dict] = None) -> Iterator[None]:
+    """While active, phase_recorder() hands code that runs a reduction (a compressor's
+    communicate) a function that records its phases on `lane` of `timeline`."""
+    if timeline is None:
+        yield
+        return
+    token = _recorder.set(lambda phase, start, end: timeline.span(lane, phase, start, end, args))
+    try:
+        yield
+    finally:
+        _recorder.reset(token)
+
+
+def phase_recorder() -> Optional[PhaseRecorder]:
+    """The recorder set by recording_phases in this context, or None when nothing records.
+    Fetch it on the calling thread: helper threads do not inherit the context."""
+    return _recorder.get()
 
 
 class Timeline:

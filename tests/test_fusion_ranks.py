@@ -79,6 +79,59 @@ def test_timeline_has_a_span_per_group_and_phase(tmp_path):
     assert group_phases == {"reduce"}
 
 
+COMPRESSED_TIMELINE = r'''
+import json, os, torch
+import fusionring.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+compression = {"fp16": hvd.Compression.fp16,
+               "nm": hvd.Compression.nm(values=torch.float16)}[os.environ["COMPRESSION"]]
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=compression)
+path = os.path.join(os.environ["FR_TEST_OUT"], "timeline.json")
+hvd.start_timeline(path)
+for step in range(3):
+    optimizer.zero_grad()
+    model(torch.randn(8, 32)).sum().backward()
+    optimizer.step()
+hvd.stop_timeline()
+report(json.load(open(path)) if hvd.rank() == 0 else [])
+'''
+
+
+@pytest.mark.parametrize("compression", ["fp16", "nm"])
+def test_timeline_shows_compression_phases(compression, tmp_path):
+    events = run_ranks(2, COMPRESSED_TIMELINE, tmp_path, timeout=90,
+                       env={"COMPRESSION": compression})[0]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    spans = [(lanes[e["tid"]], e["name"], e["ts"], e["ts"] + e["dur"])
+             for e in events if e.get("ph") == "X"]
+    coded = [s for s in spans if s[1] in ("compress", "decompress")]
+    if compression == "fp16":
+        # Cast by the optimizer in the caller's thread, on each gradient's own lane: every
+        # parameter, every step, both ways.
+        for phase in ("compress", "decompress"):
+            names = [lane for lane, name, _, _ in coded if name == phase]
+            assert sorted(set(names)) == sorted(f"allreduce.{n}" for n, _ in
+                                                model_names()) and len(names) == 12
+    else:
+        # Encoded and decoded inside the runtime's reduction, on the batch's codec lane,
+        # within the span of that reduction.
+        assert {name for _, name, _, _ in coded} == {"compress", "decompress"}
+        reduces = [(lane, start, end) for lane, name, start, end in spans if name == "reduce"]
+        for lane, _, start, end in coded:
+            assert lane.endswith(" (compression)")
+            batch = lane[:-len(" (compression)")]
+            assert any(l == batch and a <= start and end <= b + 1 for l, a, b in reduces)
+
+
+def model_names():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    return list(model.named_parameters())
+
+
 START_STOP_TIMELINE = r'''
 import sys
 import torch

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -36,6 +37,7 @@ import torch
 
 from .. import _C
 from ..runtime import DTYPE_CODES, contiguous_view
+from ..timeline import phase_recorder
 from .base import Compressor, Memory
 
 
@@ -685,8 +687,10 @@ class NMCompressor(Compressor):
                 total += kept
         payload = torch.empty(total, dtype=self.values)
         chunks = _chunks(pieces, sum(x.numel() for x in views))
+        record = phase_recorder()  # the timeline's, fetched here: the helper thread has none
 
         def encode(k: int) -> None:
+            started = time.perf_counter()
             for seg, lo, hi, at, kept in chunks[k]:
                 x = seg.x[lo:hi]
                 if prescale != 1.0:
@@ -709,6 +713,8 @@ class NMCompressor(Compressor):
                     seg.held += (_squares(seg.residual[lo:hi])
                                  if seg.residual is not None else 0.0)
                     seg.total += _squares(x)
+            if record is not None:
+                record("compress", started, time.perf_counter())
 
         def reduce(k: int) -> None:
             lo, hi = chunks[k][0][3], chunks[k][-1][3] + chunks[k][-1][4]
@@ -718,6 +724,7 @@ class NMCompressor(Compressor):
                            config.ring_segment_bytes, config.small_message_bytes)
 
         def decode(k: int) -> None:
+            started = time.perf_counter()
             for seg, lo, hi, at, kept in chunks[k]:
                 x = seg.x[lo:hi]
                 part = payload[at:at + kept]
@@ -732,6 +739,8 @@ class NMCompressor(Compressor):
                               x.data_ptr(), 0)
                 _C.nm_track(seg.state.estimate.data_ptr() + 4 * lo,
                             seg.state.wait.data_ptr() + 4 * lo, x.data_ptr(), words, hi - lo)
+            if record is not None:
+                record("decompress", started, time.perf_counter())
 
         _pipeline(len(chunks), encode, reduce, decode)
         for seg in segments:

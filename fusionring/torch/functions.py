@@ -14,6 +14,7 @@ import itertools
 import numbers
 import pickle
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -406,13 +407,28 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
                                             prescale_factor=prescale_factor,
                                             postscale_factor=postscale_factor,
                                             compression=compression))
+    started = time.perf_counter()
     tensor_compressed, ctx = compression.compress(tensor)
+    _trace(compression, name, "compress", started)
     if isinstance(tensor_compressed, torch.Tensor):
         summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op, prescale_factor,
                                           postscale_factor)
-        return compression.decompress(summed, ctx)
+        started = time.perf_counter()
+        result = compression.decompress(summed, ctx)
+        _trace(compression, name, "decompress", started)
+        return result
     return _compressed_allreduce(tensor_compressed, ctx, compression, name, reduce_op,
                                  prescale_factor, postscale_factor)
+
+
+def _trace(compression, name: Optional[str], phase: str, started: float) -> None:
+    """A caller-side compress or decompress on the timeline (when one records)."""
+    if compression is Compression.none:
+        return
+    runtime = _rt.routed()
+    if runtime is not None and runtime.tracing:
+        runtime.record_span(f"allreduce.{name}" if name is not None else "allreduce (unnamed)",
+                            phase, started, time.perf_counter())
 
 
 def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, postscale):
@@ -421,8 +437,11 @@ def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, 
     base = name if name is not None else f"compressed{AUTO_NAME_MARK}{next(_auto_names)}"
     reduced = grouped_allreduce(parts, name=base, op=reduce_op, prescale_factor=prescale,
                                 postscale_factor=postscale)
-    return compression.decompress(type(payload)(reduced) if isinstance(payload, tuple)
-                                  else reduced, ctx)
+    started = time.perf_counter()
+    result = compression.decompress(type(payload)(reduced) if isinstance(payload, tuple)
+                                    else reduced, ctx)
+    _trace(compression, name, "decompress", started)
+    return result
 
 
 @_routed
