@@ -151,31 +151,9 @@ def test_stall_warns_then_fails_every_rank(tmp_path):
     assert "rank 1" in results[0]["error"] and results[0]["after_s"] < 10
     assert results[1]["error"] and "'lonely'" in results[1]["error"]
     assert "allreduce 'lonely' waiting" in output  # the warning, on rank 0
-
-
-DIFFERENT_NAMES = r'''
-import time, torch
-import fusionring.torch as hvd
-hvd.init()
-r = hvd.rank()
-# Names no other rank submits keep every round a full exchange: the stall warning must still
-# come once per check interval, not once per round.
-try:
-    hvd.allreduce(torch.ones(1), name=f"only_on_{r}")
-    report({"error": None})
-except hvd.FusionRingError as exc:
-    report({"error": str(exc)})
-'''
-
-
-def test_stall_warning_repeats_per_check_interval_not_per_round(tmp_path):
-    results, code, output = run_ranks(
-        2, DIFFERENT_NAMES, tmp_path, timeout=60, expect_failure=True,
-        env={"FUSIONRING_STALL_WARNING_S": "0.5", "FUSIONRING_STALL_SHUTDOWN_S": "3"})
-    assert all("only_on_" in result["error"] for result in results)
-    warnings = output.count("waiting for the rest")
-    # Checks come every 0.25 s from 0.5 s until the shutdown at 3 s: about ten, not thousands.
-    assert 1 <= warnings <= 30, (warnings, output[-2000:])
+    # A name no other rank has submitted makes every round a full exchange; the warning
+    # still comes once per check (every 0.25 s from 0.5 s to 2 s), not once per round.
+    assert output.count("waiting for the rest") <= 20, output[-2000:]
 
 
 SHM_LATE_PEER = r'''
