@@ -604,7 +604,7 @@ class Runtime:
             return False
         return True
 
-    def _allreduce_batch(self, requests: List[Request], kind: str = THRESHOLD) -> None:
+    def _allreduce_batch(self, requests: List[Request], kind: str) -> None:
         first = requests[0]
         code = DTYPE_CODES[first.output.dtype]
         lane = first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"

@@ -409,22 +409,23 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
                                             compression=compression))
     started = time.perf_counter()
     tensor_compressed, ctx = compression.compress(tensor)
-    _trace(compression, name, "compress", started)
+    trace_compression(compression, name, "compress", started)
     if isinstance(tensor_compressed, torch.Tensor):
         summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op, prescale_factor,
                                           postscale_factor)
         started = time.perf_counter()
         result = compression.decompress(summed, ctx)
-        _trace(compression, name, "decompress", started)
+        trace_compression(compression, name, "decompress", started)
         return result
     return _compressed_allreduce(tensor_compressed, ctx, compression, name, reduce_op,
                                  prescale_factor, postscale_factor)
 
 
-def _trace(compression, name: Optional[str], phase: str, started: float) -> None:
-    """A caller-side compress or decompress on the timeline (when one records)."""
-    if compression is Compression.none:
-        return
+def trace_compression(compression, name: Optional[str], phase: str, started: float) -> None:
+    """Put a caller-side compress or decompress of tensor `name`, begun at `started`
+    (time.perf_counter), on the timeline beside its reduction, when one records."""
+    if compression is Compression.none or getattr(compression, "in_runtime", False):
+        return  # nothing happened here; in-runtime compressors record their own phases
     runtime = _rt.routed()
     if runtime is not None and runtime.tracing:
         runtime.record_span(f"allreduce.{name}" if name is not None else "allreduce (unnamed)",
@@ -440,7 +441,7 @@ def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, 
     started = time.perf_counter()
     result = compression.decompress(type(payload)(reduced) if isinstance(payload, tuple)
                                     else reduced, ctx)
-    _trace(compression, name, "decompress", started)
+    trace_compression(compression, name, "decompress", started)
     return result
 
 

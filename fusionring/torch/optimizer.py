@@ -243,21 +243,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return handle, None
         started = time.perf_counter()
         compressed, ctx = self._compress(p, grad)
-        self._trace(p, "compress", started)
+        F.trace_compression(self._compression, self._tensor_name(p), "compress", started)
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
         return handle, ctx
-
-    def _trace(self, p: torch.Tensor, phase: str, started: float) -> None:
-        """Put a caller-side compress or decompress of `p` on the timeline, beside its
-        reduction (nothing when no timeline records, or nothing is compressed)."""
-        if self._compression is Compression.none or getattr(self._compression, "in_runtime",
-                                                              False):
-            return  # nothing done here: in-runtime compressors trace their own phases
-        runtime = _rt.routed()
-        if runtime is not None and runtime.tracing:
-            runtime.record_span(f"allreduce.{self._tensor_name(p)}", phase, started,
-                                time.perf_counter())
 
     def _compress(self, p: torch.Tensor, grad: torch.Tensor):
         """The compressor's payload for `grad`, written into last step's payload when the
@@ -325,11 +314,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     and not p.grad.is_sparse):
                 with torch.no_grad():
                     into(output, ctx, p.grad)  # one cast into place, no decoded copy
-                self._trace(p, "decompress", started)
+                F.trace_compression(self._compression, self._tensor_name(p), "decompress",
+                                        started)
                 continue
             result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
             if ctx is not _SPARSE:
-                self._trace(p, "decompress", started)
+                F.trace_compression(self._compression, self._tensor_name(p), "decompress",
+                                        started)
             if self._adasum:
                 with torch.no_grad():
                     start = self._starting_models[p]
