@@ -148,7 +148,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         _registered[process_set.process_set_id] = process_set
     if runtime.rank in ranks:
         process_set._comm = sub
-        process_set._runtime = _rt.Runtime(sub, global_ranks=ranks)
+        process_set._runtime = _rt.Runtime(sub, global_ranks=ranks, timeline_owner=runtime)
     return process_set
 
 

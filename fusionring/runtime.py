@@ -32,7 +32,7 @@ from .exceptions import FusionRingError, NotInitializedError, StallError, Tensor
 from .negotiation import Negotiator, Ready, TensorSpec
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
 from .scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
-from .timeline import Timeline, recording_phases
+from .timeline import LaneView, Timeline, recording_phases
 
 _SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
@@ -118,7 +118,8 @@ class Runtime:
     """One per process: owns the communicators, the queue and the background thread."""
 
     def __init__(self, comm=None, config: Optional[Settings] = None,
-                 global_ranks: Optional[List[int]] = None) -> None:
+                 global_ranks: Optional[List[int]] = None,
+                 timeline_owner: Optional["Runtime"] = None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -151,8 +152,13 @@ class Runtime:
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._group_labels = itertools.count()
-        self._timeline = (Timeline(self.config.timeline_path)
-                          if self.config.timeline_path and self.rank == 0 else None)
+        # The process's timeline file belongs to the global runtime; a process set's runtime
+        # (timeline_owner: the global one) records into it, on lanes named for its ranks.
+        self._timeline_owner = timeline_owner
+        self._own_timeline = (Timeline(self.config.timeline_path)
+                              if self.config.timeline_path and self.rank == 0
+                              and timeline_owner is None else None)
+        self._timeline_view: Optional[LaneView] = None
         self.stats = Stats()
 
         self._lock = threading.Lock()
@@ -302,7 +308,8 @@ class Runtime:
             self._wakeup.notify()
         # A loop that failed may be saying farewell to peers that are gone: do not wait long.
         self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
-        self.stop_timeline()
+        if self._timeline_owner is None:
+            self.stop_timeline()
         for comm in (self._control_comm, self._data_comm):
             try:
                 comm.Free()
@@ -312,17 +319,36 @@ class Runtime:
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Record a Chrome-trace timeline to `path` from now on (written by rank 0 only);
         a timeline already being recorded is closed first."""
+        if self._timeline_owner is not None:  # one file per process: the global runtime's
+            return self._timeline_owner.start_timeline(path, mark_cycles)
         if self.rank != 0:
             return
-        old, self._timeline = self._timeline, Timeline(path, mark_cycles=mark_cycles)
+        old, self._own_timeline = self._own_timeline, Timeline(path, mark_cycles=mark_cycles)
         if old is not None:
             old.close()
 
     def stop_timeline(self) -> None:
         """Stop recording and close the timeline file (no-op when none is recorded)."""
-        old, self._timeline = self._timeline, None
+        if self._timeline_owner is not None:
+            return self._timeline_owner.stop_timeline()
+        old, self._own_timeline = self._own_timeline, None
         if old is not None:
             old.close()
+
+    @property
+    def _timeline(self) -> Optional["Timeline | LaneView"]:
+        """Where this runtime's spans go now, or None when nothing records."""
+        owner = self._timeline_owner
+        if owner is None:
+            return self._own_timeline
+        shared = owner._own_timeline
+        if shared is None:
+            return None
+        view = self._timeline_view
+        if view is None or view.target is not shared:
+            ranks = ",".join(map(str, self.global_ranks or []))
+            view = self._timeline_view = LaneView(shared, f"[ranks {ranks}] ")
+        return view
 
     @property
     def tracing(self) -> bool:

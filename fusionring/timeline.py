@@ -16,7 +16,7 @@ _recorder: "contextvars.ContextVar[Optional[PhaseRecorder]]" = contextvars.Conte
 
 
 @contextlib.contextmanager
-def recording_phases(timeline: Optional["Timeline"], lane: str,
+def recording_phases(timeline: Optional["Timeline | LaneView"], lane: str,
                      args: Optional[dict] = None) -> Iterator[None]:
     """While active, phase_recorder() hands code that runs a reduction (a compressor's
     communicate) a function that records its phases on `lane` of `timeline`."""
@@ -91,3 +91,22 @@ class Timeline:
             if not self._file.closed:
                 self._file.write("\n]\n")
                 self._file.close()
+
+
+class LaneView:
+    """A Timeline seen through a lane prefix: how a process set's runtime records into the
+    process's one timeline file. Cycle marks stay the global runtime's."""
+
+    def __init__(self, target: Timeline, prefix: str) -> None:
+        self.target = target
+        self.prefix = prefix
+
+    def span(self, lane: str, phase: str, start: float, end: float,
+             args: Optional[dict] = None) -> None:
+        self.target.span(self.prefix + lane, phase, start, end, args)
+
+    def mark(self, name: str, when: Optional[float] = None) -> None:
+        self.target.mark(self.prefix + name, when)
+
+    def mark_cycle(self) -> None:
+        pass

@@ -158,3 +158,32 @@ def test_optimizers_with_groups_on_overlapping_sets_do_not_wait_on_each_other(tm
         for r in members:
             for got, want in zip(results[r][str(ranks)], expected):
                 assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
+
+
+SETS_TIMELINE = r'''
+import torch
+import fusionring.torch as hvd
+with_zero, without_zero = hvd.ProcessSet([0, 1]), hvd.ProcessSet([1, 2])
+hvd.init(process_sets=[with_zero, without_zero])
+r = hvd.rank()
+for i in range(5):
+    hvd.allreduce(torch.ones(100), name=f"g{i}")
+    for process_set in (with_zero, without_zero):
+        if process_set.included():
+            hvd.allreduce(torch.ones(100), name=f"s{i}", process_set=process_set)
+hvd.shutdown()
+report(r)
+'''
+
+
+def test_process_sets_record_into_the_one_timeline_file(tmp_path):
+    # Each set's runtime used to open FUSIONRING_TIMELINE on its own rank 0, so several
+    # processes wrote one file and the JSON came out corrupt.
+    import json
+    path = tmp_path / "timeline.json"
+    run_ranks(3, SETS_TIMELINE, tmp_path, timeout=90, env={"FUSIONRING_TIMELINE": str(path)})
+    events = json.loads(path.read_text())
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert {f"allreduce.g{i}" for i in range(5)} <= lanes
+    assert {f"[ranks 0,1] allreduce.s{i}" for i in range(5)} <= lanes
+    assert not any(lane.startswith("[ranks 1,2]") for lane in lanes)  # recorded on rank 0 only
