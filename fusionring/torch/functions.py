@@ -421,12 +421,14 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
                                  prescale_factor, postscale_factor)
 
 
-def trace_compression(compression, name: Optional[str], phase: str, started: float) -> None:
+def trace_compression(compression, name: Optional[str], phase: str, started: float,
+                      runtime=None) -> None:
     """Put a caller-side compress or decompress of tensor `name`, begun at `started`
-    (time.perf_counter), on the timeline beside its reduction, when one records."""
+    (time.perf_counter), on the timeline beside its reduction, when one records.
+    `runtime`: the one the tensor is reduced on (default: where operations are routed)."""
     if compression is Compression.none or getattr(compression, "in_runtime", False):
         return  # nothing happened here; in-runtime compressors record their own phases
-    runtime = _rt.routed()
+    runtime = runtime or _rt.routed()
     if runtime is not None and runtime.tracing:
         runtime.record_span(f"allreduce.{name}" if name is not None else "allreduce (unnamed)",
                             phase, started, time.perf_counter())

@@ -243,10 +243,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return handle, None
         started = time.perf_counter()
         compressed, ctx = self._compress(p, grad)
-        F.trace_compression(self._compression, self._tensor_name(p), "compress", started)
+        self._trace(p, "compress", started)
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
         return handle, ctx
+
+    def _trace(self, p: torch.Tensor, phase: str, started: float) -> None:
+        # On this optimizer's runtime (a process set's, when it has one), wherever it is called.
+        F.trace_compression(self._compression, self._tensor_name(p), phase, started,
+                            runtime=self._set_runtime)
 
     def _compress(self, p: torch.Tensor, grad: torch.Tensor):
         """The compressor's payload for `grad`, written into last step's payload when the
@@ -314,13 +319,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     and not p.grad.is_sparse):
                 with torch.no_grad():
                     into(output, ctx, p.grad)  # one cast into place, no decoded copy
-                F.trace_compression(self._compression, self._tensor_name(p), "decompress",
-                                        started)
+                self._trace(p, "decompress", started)
                 continue
             result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
             if ctx is not _SPARSE:
-                F.trace_compression(self._compression, self._tensor_name(p), "decompress",
-                                        started)
+                self._trace(p, "decompress", started)
             if self._adasum:
                 with torch.no_grad():
                     start = self._starting_models[p]
