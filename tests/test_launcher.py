@@ -259,7 +259,7 @@ def test_a_launcher_that_counts_one_process_is_fine():
     assert done.stdout.split() == ["size", "1"]
 
 
-def test_torchrun_gets_an_error_on_every_rank_instead_of_lone_training(tmp_path):
+def test_torchrun_fails_with_the_launch_hint_instead_of_lone_training(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(INIT_AND_REPORT.replace("; ", "\n"))
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -268,8 +268,9 @@ def test_torchrun_gets_an_error_on_every_rank_instead_of_lone_training(tmp_path)
     done = subprocess.run(command + ["--nproc_per_node", "2", "--master_port", "0", str(script)],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert done.stderr.count("WORLD_SIZE=2: this process was started as one of 2") == 2, \
-        done.stderr
+    # Each process raises by itself (the test above); torchrun stops the other one as soon
+    # as the first fails, so one or two messages come through.
+    assert "WORLD_SIZE=2: this process was started as one of 2" in done.stderr, done.stderr
     assert "size" not in done.stdout
 
 
