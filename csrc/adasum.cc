@@ -87,18 +87,13 @@ void adasum_allreduce(void* buf, std::size_t count, DType dtype, Transport& t,
     throw InvalidArgument("Adasum needs a power-of-two number of ranks, not " +
                           std::to_string(P));
   }
-  if (dtype == DType::kFloat64) {
-    scale_in_place(buf, count, dtype, o.prescale);
-    if (P > 1) adasum_typed(static_cast<double*>(buf), count, t);
-    scale_in_place(buf, count, dtype, o.postscale);
-    return;
-  }
-  if (dtype == DType::kFloat32) {
-    scale_in_place(buf, count, dtype, o.prescale);
-    if (P > 1) adasum_typed(static_cast<float*>(buf), count, t);
-    scale_in_place(buf, count, dtype, o.postscale);
-    return;
-  }
+  auto scaled = [&](auto* v, DType type) {
+    scale_in_place(v, count, type, o.prescale);
+    if (P > 1) adasum_typed(v, count, t);
+    scale_in_place(v, count, type, o.postscale);
+  };
+  if (dtype == DType::kFloat64) return scaled(static_cast<double*>(buf), dtype);
+  if (dtype == DType::kFloat32) return scaled(static_cast<float*>(buf), dtype);
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
     throw InvalidArgument(std::string("Adasum needs a floating-point buffer, not ") +
                           dtype_name(dtype));
@@ -108,9 +103,7 @@ void adasum_allreduce(void* buf, std::size_t count, DType dtype, Transport& t,
   auto* h = static_cast<std::uint16_t*>(buf);
   std::vector<float> wide(count);
   for (std::size_t i = 0; i < count; ++i) wide[i] = half ? half_to_float(h[i]) : bf16_to_float(h[i]);
-  scale_in_place(wide.data(), count, DType::kFloat32, o.prescale);
-  if (P > 1) adasum_typed(wide.data(), count, t);
-  scale_in_place(wide.data(), count, DType::kFloat32, o.postscale);
+  scaled(wide.data(), DType::kFloat32);
   for (std::size_t i = 0; i < count; ++i) h[i] = half ? float_to_half(wide[i]) : float_to_bf16(wide[i]);
 }
 

@@ -350,12 +350,6 @@ class Runtime:
             view = self._timeline_view = LaneView(shared, f"[ranks {ranks}] ")
         return view
 
-    @property
-    def tracing(self) -> bool:
-        """Whether this rank records a timeline now (rank 0, FUSIONRING_TIMELINE or
-        start_timeline)."""
-        return self._timeline is not None
-
     def record_span(self, lane: str, phase: str, start: float, end: float,
                     args: Optional[dict] = None) -> None:
         """Add a phase measured outside the runtime (a caller-side compress or decompress)
