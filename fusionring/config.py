@@ -4,6 +4,10 @@ Every launch-time knob is read here, once, in a single unit that its name states
 (bytes, milliseconds, seconds). Keyword arguments of the public API take precedence
 over these values; the rest of the library asks :func:`settings` and never reads
 ``os.environ`` itself.
+
+Horovod's documented variables for the same knobs (``HOROVOD_FUSION_THRESHOLD``,
+``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``, the stall check's) are honoured too, so a
+Horovod job's environment keeps its meaning; where both are set, ``FUSIONRING_*`` wins.
 """
 from __future__ import annotations
 
@@ -13,20 +17,61 @@ from typing import Optional
 
 _PREFIX = "FUSIONRING_"
 
+# fusionring's name -> Horovod's variable for the same knob, in the same unit (Horovod's
+# fusion threshold is in bytes and its cycle time in milliseconds, as ours are).
+HOROVOD_VARIABLES = {
+    "CYCLE_TIME_MS": "HOROVOD_CYCLE_TIME",
+    "FUSION_THRESHOLD": "HOROVOD_FUSION_THRESHOLD",
+    "TIMELINE": "HOROVOD_TIMELINE",
+    "TIMELINE_MARK_CYCLES": "HOROVOD_TIMELINE_MARK_CYCLES",
+    "STALL_WARNING_S": "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    "STALL_SHUTDOWN_S": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+}
+
+
+def _lookup(name: str) -> Optional[tuple]:
+    """(variable, value) of the first non-empty of FUSIONRING_<name> and Horovod's alias."""
+    for variable in (_PREFIX + name, HOROVOD_VARIABLES.get(name)):
+        raw = os.environ.get(variable) if variable else None
+        if raw is not None and raw.strip() != "":
+            return variable, raw.strip()
+    return None
+
 
 def _read(name: str, default, cast):
-    raw = os.environ.get(_PREFIX + name)
-    if raw is None or raw.strip() == "":
+    found = _lookup(name)
+    if found is None:
         return default
+    variable, raw = found
     try:
-        return cast(raw.strip())
+        return cast(raw)
     except ValueError as exc:
-        raise ValueError(f"{_PREFIX}{name}={raw!r} is not a valid {cast.__name__}") from exc
+        raise ValueError(f"{variable}={raw!r} is not a valid {cast.__name__}") from exc
 
 
 def _optional_seconds(raw: str) -> Optional[float]:
     value = float(raw)
     return value if value > 0 else None
+
+
+def _flag(raw: str) -> bool:
+    value = raw.lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"expected 1 or 0, got {raw!r}")
+
+
+def _timeline_path(raw: str) -> Optional[str]:
+    # Horovod's HOROVOD_TIMELINE=DYNAMIC means "no file yet; start_timeline() opens one".
+    return None if raw.upper() == "DYNAMIC" else raw
+
+
+def _stall_check_disabled() -> bool:
+    """Horovod's HOROVOD_STALL_CHECK_DISABLE: no stall warning and no stall shutdown."""
+    raw = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip()
+    return raw != "" and _flag(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +85,7 @@ class Settings:
     # cost they save (0: copy every tensor, as Horovod does).
     pack_limit_bytes: int = 4 * 1024 * 1024
     timeline_path: Optional[str] = None
+    timeline_mark_cycles: bool = True  # a marker per control-loop cycle in that timeline
     stall_warning_s: Optional[float] = 60.0
     stall_shutdown_s: Optional[float] = None
     grouping_plan_path: Optional[str] = None
@@ -61,13 +107,15 @@ class Settings:
 
 def _from_environment() -> Settings:
     d = Settings()
+    stall_off = _stall_check_disabled()
     return Settings(
         cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, float),
         fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, int),
         pack_limit_bytes=_read("PACK_LIMIT", d.pack_limit_bytes, int),
-        timeline_path=_read("TIMELINE", d.timeline_path, str),
-        stall_warning_s=_read("STALL_WARNING_S", d.stall_warning_s, _optional_seconds),
-        stall_shutdown_s=_read("STALL_SHUTDOWN_S", d.stall_shutdown_s, _optional_seconds),
+        timeline_path=_read("TIMELINE", d.timeline_path, _timeline_path),
+        timeline_mark_cycles=_read("TIMELINE_MARK_CYCLES", d.timeline_mark_cycles, _flag),
+        stall_warning_s=_read_stall("STALL_WARNING_S", d.stall_warning_s, stall_off),
+        stall_shutdown_s=_read_stall("STALL_SHUTDOWN_S", d.stall_shutdown_s, stall_off),
         grouping_plan_path=_read("GROUPING_PLAN", d.grouping_plan_path, str),
         ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, int),
         small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, int),
@@ -77,6 +125,14 @@ def _from_environment() -> Settings:
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
         mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
     )
+
+
+def _read_stall(name: str, default: Optional[float], disabled: bool) -> Optional[float]:
+    """A stall limit; HOROVOD_STALL_CHECK_DISABLE turns it off unless FUSIONRING_<name> is set
+    (it outranks Horovod's own time settings, as in Horovod)."""
+    if disabled and os.environ.get(_PREFIX + name, "").strip() == "":
+        return None
+    return _read(name, default, _optional_seconds)
 
 
 def _mode(raw: str) -> str:

@@ -228,6 +228,9 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
         elif name == "--no-stall-check":
             request.rank_env.update(FUSIONRING_STALL_WARNING_S="0", FUSIONRING_STALL_SHUTDOWN_S="0")
             i += 1
+        elif name == "--timeline-mark-cycles":
+            request.rank_env["FUSIONRING_TIMELINE_MARK_CYCLES"] = "1"
+            i += 1
         elif name in ("-h", "--help"):
             raise SystemExit(_print_help())
         else:
@@ -331,6 +334,7 @@ def _print_help() -> int:
           "  --fusion-threshold-mb MB     FUSIONRING_FUSION_THRESHOLD (in bytes)\n"
           "  --cycle-time-ms MS           FUSIONRING_CYCLE_TIME_MS\n"
           "  --timeline-filename PATH     FUSIONRING_TIMELINE\n"
+          "  --timeline-mark-cycles       FUSIONRING_TIMELINE_MARK_CYCLES=1\n"
           "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"
           "  --no-stall-check             FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S")
     return 0

@@ -155,7 +155,8 @@ class Runtime:
         # The process's timeline file belongs to the global runtime; a process set's runtime
         # (timeline_owner: the global one) records into it, on lanes named for its ranks.
         self._timeline_owner = timeline_owner
-        self._own_timeline = (Timeline(self.config.timeline_path)
+        self._own_timeline = (Timeline(self.config.timeline_path,
+                                       mark_cycles=self.config.timeline_mark_cycles)
                               if self.config.timeline_path and self.rank == 0
                               and timeline_owner is None else None)
         self._timeline_view: Optional[LaneView] = None

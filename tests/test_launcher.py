@@ -300,9 +300,11 @@ def test_horovodrun_hostfile_is_read_in_either_format(fake_mpiexec, tmp_path):
 
 def test_horovodrun_tuning_options_reach_every_rank_in_fusionrings_units(fake_mpiexec):
     args = ["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
-            "--timeline-filename", "/tmp/tl.json", "--no-stall-check", "python", "t.py"]
+            "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles", "--no-stall-check",
+            "python", "t.py"]
     expected = {"FUSIONRING_FUSION_THRESHOLD": str(32 * 1024 * 1024),
                 "FUSIONRING_CYCLE_TIME_MS": "2.5", "FUSIONRING_TIMELINE": "/tmp/tl.json",
+                "FUSIONRING_TIMELINE_MARK_CYCLES": "1",
                 "FUSIONRING_STALL_WARNING_S": "0", "FUSIONRING_STALL_SHUTDOWN_S": "0"}
     request = run.parse_args(args)
     mpich = run.build_launch(request, "mpiexec", run.MPICH, running_as_root=False)
@@ -322,6 +324,7 @@ def test_horovodrun_tuning_options_reach_every_rank_in_fusionrings_units(fake_mp
         os.environ.update(old)
     assert settings.fusion_threshold_bytes == 32 * 1024 * 1024
     assert settings.cycle_time_ms == 2.5 and settings.timeline_path == "/tmp/tl.json"
+    assert settings.timeline_mark_cycles
     assert settings.stall_warning_s is None and settings.stall_shutdown_s is None
 
 
