@@ -45,12 +45,14 @@ def main() -> None:
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="gradients travel as float16")
     parser.add_argument("--use-adasum", action="store_true", help="combine updates with Adasum")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: init() fits them to the cores)")
     args = parser.parse_args()
 
     hvd.init()
     torch.manual_seed(42)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = conv_net(args.classes)
     # Adasum combines updates without averaging them, so the learning rate is not scaled.

@@ -91,9 +91,8 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
 
-    hvd.init()
+    hvd.init()  # also fits torch's threads to this rank's share of the cores
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
     (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
     model = build_model(args.hidden, args.depth)
     plan = grouping_plan(model, args)

@@ -103,6 +103,10 @@ class Settings:
     # every peer is remote).
     mpi_wait: str = "auto"
     mpi_wait_sleep_us: int = 1000
+    # torch's intra-op threads per rank: "auto" lowers them at init() to the rank's share of
+    # the host's cores when ranks would otherwise oversubscribe them (unless OMP_NUM_THREADS
+    # or MKL_NUM_THREADS says otherwise); "off" leaves torch alone; a number sets it.
+    torch_threads: str = "auto"
 
 
 def _from_environment() -> Settings:
@@ -124,7 +128,27 @@ def _from_environment() -> Settings:
         shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
         mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
+        torch_threads=_read("TORCH_THREADS", d.torch_threads, _threads),
     )
+
+
+def _threads(raw: str) -> str:
+    value = raw.lower()
+    if value in ("auto", "off") or (value.isdigit() and int(value) > 0):
+        return value
+    raise ValueError(f"expected auto, off or a positive number, got {raw!r}")
+
+
+# Variables through which a user already chose the thread count of torch's CPU kernels.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_count_chosen() -> Optional[str]:
+    """The first of OMP_NUM_THREADS / MKL_NUM_THREADS that is set, else None."""
+    for name in _THREAD_VARIABLES:
+        if os.environ.get(name, "").strip():
+            return name
+    return None
 
 
 def _read_stall(name: str, default: Optional[float], disabled: bool) -> Optional[float]:

@@ -136,6 +136,8 @@ class Runtime:
         self.size = base.Get_size()
         local = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        # The cores each rank of this host may run on (its affinity), in local-rank order.
+        self.local_cores: List[List[int]] = local.allgather(sorted(_usable_cores()))
         cross = base.Split(color=self.local_rank, key=self.rank)
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         local.Free()
@@ -146,7 +148,7 @@ class Runtime:
         if self.mpi_wait == "sleep":
             for core in (self._core, control_core):
                 core.set_wait_policy(_SPIN_BEFORE_SLEEP_US, self.config.mpi_wait_sleep_us)
-        self._shm = self._shared_memory(base)
+        self._shm = self._shared_memory()
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
                                       self.config.stall_shutdown_s, control_core)
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
@@ -197,7 +199,7 @@ class Runtime:
             mode = "sleep" if self.local_size < self.size else "spin"
         return mode
 
-    def _shared_memory(self, base) -> Optional["_C.SharedMemoryAllreduce"]:
+    def _shared_memory(self) -> Optional["_C.SharedMemoryAllreduce"]:
         """The shared-memory allreduce, when configured and every rank shares this host.
 
         "auto" also wants a core per rank: its waits sleep instead of spinning, and with
@@ -208,19 +210,20 @@ class Runtime:
         mode = self.config.shared_memory
         if mode == "off" or self.size == 1:
             return None
-        local = base.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            cores = local.allgather(sorted(_usable_cores()))
-        finally:
-            local.Free()
-        one_host = len(cores) == self.size
-        enough_cores = len(set().union(*map(set, cores))) >= self.size
+        one_host = self.local_size == self.size
+        enough_cores = len(set().union(*map(set, self.local_cores))) >= self.size
         if mode == "on" and not one_host:
             raise FusionRingError("FUSIONRING_SHARED_MEMORY=on needs every rank on one host")
         if not one_host or (mode == "auto" and not enough_cores):
             return None
         return _C.SharedMemoryAllreduce(self._MPI._handleof(self._data_comm),
                                         self.config.shm_slot_bytes)
+
+    def core_share(self) -> float:
+        """How many cores this rank has to itself: each core it may run on counts 1/k when k
+        ranks of this host may run there (ranks bound to their own cores: all of them)."""
+        mine = self.local_cores[self.local_rank]
+        return sum(1.0 / sum(core in cores for cores in self.local_cores) for core in mine)
 
     @property
     def shared_memory(self) -> bool:

@@ -108,3 +108,90 @@ def test_horovod_environment_reaches_the_runtime(tmp_path):
     events = json.loads(path.read_text())
     assert any(e.get("name") == "reduce" for e in events)
     assert not any(e.get("name") == "cycle" for e in events)
+
+
+# ------------------------------------------------------------------------------------------
+# torch's intra-op threads per rank
+
+
+class _Host:
+    """The facts fit_intra_op_threads reads from a runtime: each local rank's cores."""
+
+    def __init__(self, local_cores, local_rank=0):
+        self.local_cores, self.local_rank = local_cores, local_rank
+        self.local_size = len(local_cores)
+
+    def core_share(self):
+        from fusionring.runtime import Runtime
+        return Runtime.core_share(self)
+
+
+@pytest.mark.parametrize("local_cores, rank, share", [
+    ([[0, 1]] * 4, 0, 0.5),  # 4 unbound ranks on 2 cores
+    ([[0, 1]] * 2, 1, 1.0),
+    ([list(range(32))] * 4, 2, 8.0),  # 4 unbound ranks on 32 cores
+    ([[0, 1], [2, 3], [4, 5]], 1, 2.0),  # each bound to its own cores
+    ([[0, 1], [1, 2]], 0, 1.5),  # core 1 shared, core 0 not
+])
+def test_core_share(local_cores, rank, share):
+    assert _Host(local_cores, rank).core_share() == pytest.approx(share)
+
+
+@pytest.fixture
+def torch_threads(monkeypatch):
+    import torch
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.delenv("FUSIONRING_TORCH_THREADS", raising=False)
+
+    def fit(host, start, **variables):
+        from fusionring.torch.threads import fit_intra_op_threads
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        settings(reload=True)
+        torch.set_num_threads(start)
+        changed = fit_intra_op_threads(host)
+        return changed, torch.get_num_threads()
+
+    yield fit
+    monkeypatch.delenv("FUSIONRING_TORCH_THREADS", raising=False)
+    settings(reload=True)
+    torch.set_num_threads(before)
+
+
+def test_oversubscribing_threads_are_lowered_to_the_rank_share(torch_threads, capsys):
+    assert torch_threads(_Host([list(range(8))] * 4), 8) == (2, 2)
+    assert "4 ranks share 8 cores" in capsys.readouterr().err
+    assert torch_threads(_Host([[0, 1]] * 4, local_rank=1), 2) == (1, 1)
+    assert capsys.readouterr().err == ""  # one note per host: local rank 0 prints it
+
+
+def test_threads_never_raised_and_user_choices_kept(torch_threads):
+    assert torch_threads(_Host([list(range(8))] * 2), 1) == (None, 1)  # lowered on purpose
+    assert torch_threads(_Host([[0, 1]] * 4), 2, OMP_NUM_THREADS="2") == (None, 2)
+    assert torch_threads(_Host([[0, 1]] * 4), 2, FUSIONRING_TORCH_THREADS="off") == (None, 2)
+    assert torch_threads(_Host([[0, 1]] * 4), 2, FUSIONRING_TORCH_THREADS="3") == (3, 3)
+    with pytest.raises(ValueError, match="FUSIONRING_TORCH_THREADS"):
+        torch_threads(_Host([[0, 1]] * 4), 2, FUSIONRING_TORCH_THREADS="many")
+
+
+THREADS_JOB = """
+import os
+import torch
+from mpi4py import MPI
+torch.set_num_threads(16)  # as torch's default on a 16-core host
+import fusionring.torch as hvd
+hvd.init()
+cores = MPI.COMM_WORLD.allgather(sorted(os.sched_getaffinity(0)))
+mine = cores[hvd.rank()]
+share = sum(1.0 / sum(c in other for other in cores) for c in mine)
+report({"threads": torch.get_num_threads(), "share": share})
+"""
+
+
+def test_init_fits_torch_threads_on_every_rank(tmp_path):
+    for r in run_ranks(2, THREADS_JOB, tmp_path, timeout=60):
+        assert r["threads"] == max(1, min(16, int(r["share"] + 1e-9)))
+    chosen = run_ranks(2, THREADS_JOB, tmp_path, timeout=60, env={"OMP_NUM_THREADS": "16"})
+    assert [r["threads"] for r in chosen] == [16, 16]

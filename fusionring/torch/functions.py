@@ -24,6 +24,7 @@ from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..process_sets import add_process_set, is_added, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
+from .threads import fit_intra_op_threads
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum,
                                            ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
@@ -36,7 +37,10 @@ def init(comm=None, process_sets=None) -> None:
     `process_sets`: ProcessSets (or lists of ranks) to register now, on every rank alike;
     "dynamic" is accepted for Horovod compatibility (sets can always be added later).
     """
-    _rt.init(comm)
+    fresh = not _rt.is_initialized()
+    runtime = _rt.init(comm)
+    if fresh:
+        fit_intra_op_threads(runtime)
     if process_sets is not None and not isinstance(process_sets, str):
         for process_set in process_sets:
             if not is_added(process_set):  # init() again is a no-op, as in Horovod
