@@ -148,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
     from fusionring import config as fr_config
     from fusionring.plan import make_plan
 
-    torch.set_num_threads(1)  # ranks share the cores
+    torch.set_num_threads(args.threads)  # 1 by default: ranks share the cores
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
@@ -422,6 +422,10 @@ def main() -> None:
     parser.add_argument("--large-width", type=int, default=2048)
     parser.add_argument("--large-layers", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads per rank, set before hvd.init() (whose "
+                             "FUSIONRING_TORCH_THREADS=auto lowers a count that oversubscribes "
+                             "the cores)")
     parser.add_argument("--trace-dir", default="",
                         help="write rank 0's timeline of the threshold and plan rounds here")
     add_run_options(parser, os.path.join(DOCS_DIR, "fusion.md"))
@@ -438,7 +442,8 @@ def main() -> None:
                        str(args.warmup), "--batch", str(args.batch), "--width", str(args.width),
                        "--hidden", str(args.hidden), "--depth", str(args.depth), "--large-width",
                        str(args.large_width), "--large-layers", str(args.large_layers), "--lr",
-                       str(args.lr), "--configs", expand_configs(args.configs, args.plan_buffers)]
+                       str(args.lr), "--threads", str(args.threads),
+                       "--configs", expand_configs(args.configs, args.plan_buffers)]
         if args.trace_dir:
             passthrough += ["--trace-dir", os.path.abspath(args.trace_dir)]
         results = run.results
