@@ -776,11 +776,29 @@ def _import_attribute(spec: str, what: str) -> Any:
         raise SystemExit(f"fusionring plan: {what} must look like MODULE:NAME, got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"fusionring plan: cannot import {module_name!r} for {what} ({spec}): "
+                         f"{type(exc).__name__}: {exc}; MODULE is imported from the current "
+                         f"directory or sys.path") from None
     obj = module
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SystemExit(f"fusionring plan: module {module_name!r} has no {attr!r} "
+                             f"({what}, {spec})")
         obj = getattr(obj, part)
     return obj
+
+
+def _user_call(what: str, hint: str, function: Callable[[], Any]) -> Any:
+    """Run user code (the factory, the batch function, the model); its failure exits with one
+    line naming what failed and how to fix the call, instead of a traceback through ours."""
+    try:
+        return function()
+    except Exception as exc:  # any error of the user's code
+        raise SystemExit(f"fusionring plan: {what} failed: {type(exc).__name__}: {exc}"
+                         f"{hint}") from None
 
 
 def _parse_shape(text: str) -> List[int]:
@@ -821,18 +839,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Run ``fusionring plan`` with parsed arguments; returns the exit status."""
     factory = _import_attribute(args.model, "the model")
-    model = factory()
+    model = _user_call(f"{args.model}()", "", factory)
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"fusionring plan: {args.model}() returned {type(model).__name__}, "
                          f"not a torch.nn.Module")
     if args.batch_fn:
-        batch = _import_attribute(args.batch_fn, "--batch-fn")()
+        batch = _user_call(f"{args.batch_fn}()", "", _import_attribute(args.batch_fn, "--batch-fn"))
+        described = f"the batch from {args.batch_fn}()"
     else:
         generator = torch.Generator().manual_seed(args.seed)
         batch = torch.randn(args.batch_shape, generator=generator, dtype=torch.float32)
         first = next(iter(model.parameters()), None)
         if first is not None:
             batch = batch.to(first.device)
+        described = f"a random float32 batch of shape {tuple(args.batch_shape)}"
+    # One forward pass first, so that a batch the model cannot take is reported as such.
+    with torch.no_grad():
+        _user_call(f"running {args.model}() on {described}",
+                   "; check --batch-shape (or give --batch-fn)",
+                   lambda: _call_model(model, batch))
     buffer_bytes = None if args.buffer_mb is None else int(round(args.buffer_mb * MIB))
     if buffer_bytes is not None and buffer_bytes <= 0:
         raise SystemExit("fusionring plan: --buffer-mb must be positive")

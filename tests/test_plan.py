@@ -466,3 +466,29 @@ def test_cli_reports_a_bad_model_spec(tmp_path):
          "-o", "x.json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "MODULE:NAME" in result.stderr
+
+
+@pytest.mark.parametrize("spec, shape, message", [
+    ("cli_models:missing", "8,16", "module 'cli_models' has no 'missing'"),
+    ("no_such_module:factory", "8,16", "cannot import 'no_such_module'"),
+    ("cli_models:broken", "8,16", "cli_models:broken() failed: ValueError: no weights today"),
+    ("cli_models:factory", "8,17", "on a random float32 batch of shape (8, 17) failed: "
+                                   "RuntimeError"),
+])
+def test_cli_names_what_failed_in_one_line(tmp_path, spec, shape, message):
+    (tmp_path / "cli_models.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        def factory():
+            return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
+        def broken():
+            raise ValueError("no weights today")
+    """))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, "-m", "fusionring", "plan", spec, "--batch-shape", shape, "-o", "x.json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.json").exists()
