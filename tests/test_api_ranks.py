@@ -218,7 +218,11 @@ os._exit(0)  # the tensors can never be agreed; leave without the shutdown round
 def test_ranks_waiting_on_different_tensors_keep_to_timed_rounds(tmp_path):
     """A blocked caller gets back-to-back rounds only briefly: ranks stuck on tensors that
     can never be agreed go back to one round per cycle (not ~12 000 per second)."""
-    results = run_ranks(2, STUCK_ON_DIFFERENT_TENSORS, tmp_path, timeout=60,
-                        env={"FUSIONRING_STALL_WARNING_S": "100"})
+    # Leaving through os._exit is an abnormal end for Open MPI's launcher (not for MPICH's), so
+    # the exit status is not asserted; every rank's report is.
+    results, _, output = run_ranks(2, STUCK_ON_DIFFERENT_TENSORS, tmp_path, timeout=60,
+                                   env={"FUSIONRING_STALL_WARNING_S": "100"},
+                                   expect_failure=True)
+    assert all(got is not None for got in results), output
     for rank, got in enumerate(results):
         assert got["rounds_per_s"] < 2000, (rank, got)
