@@ -250,3 +250,27 @@ def test_fp16_compressed_gradients_are_each_steps_average(tmp_path):
                 if step == 0 and expected.numel() > 100:
                     exact = torch.tensor(all_local).mean(0)
                     assert not torch.equal(torch.tensor(reduced), exact)
+
+
+def test_horovod_submodule_imports_resolve_to_the_same_objects():
+    """Scripts that import Horovod's submodules by name work with only `horovod` changed."""
+    import fusionring.torch as hvd
+    from fusionring.torch import mpi_ops
+    from fusionring.torch.compression import Compression, Compressor, FP16Compressor, NoneCompressor
+    from fusionring.torch.elastic import TorchState, run  # noqa: F401
+    from fusionring.torch.functions import broadcast_optimizer_state, broadcast_parameters
+    from fusionring.torch.optimizer import DistributedOptimizer
+    from fusionring.torch.sync_batch_norm import SyncBatchNorm
+
+    for name in ("allreduce", "allreduce_async_", "allgather", "broadcast_", "alltoall",
+                 "reducescatter", "synchronize", "poll", "join", "barrier", "size", "rank",
+                 "local_rank", "init", "shutdown", "Average", "Sum", "Adasum", "ProcessSet",
+                 "global_process_set", "start_timeline", "mpi_threads_supported"):
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+    assert "annotations" not in hvd.__all__ and "annotations" not in mpi_ops.__all__
+    assert Compression is hvd.Compression and Compressor is hvd.Compressor
+    assert Compression.fp16 is FP16Compressor and Compression.none is NoneCompressor
+    assert (broadcast_parameters, broadcast_optimizer_state) == (hvd.broadcast_parameters,
+                                                                 hvd.broadcast_optimizer_state)
+    assert DistributedOptimizer is hvd.DistributedOptimizer
+    assert SyncBatchNorm is hvd.SyncBatchNorm

@@ -23,4 +23,4 @@ from . import elastic
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]
