@@ -71,7 +71,10 @@ def _timeline_path(raw: str) -> Optional[str]:
 def _stall_check_disabled() -> bool:
     """Horovod's HOROVOD_STALL_CHECK_DISABLE: no stall warning and no stall shutdown."""
     raw = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip()
-    return raw != "" and _flag(raw)
+    try:
+        return raw != "" and _flag(raw)
+    except ValueError as exc:
+        raise ValueError(f"HOROVOD_STALL_CHECK_DISABLE={raw!r}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
