@@ -1,8 +1,8 @@
 """torch's intra-op threads when several ranks share a host's cores.
 
 Under MPICH's and Open MPI's launchers torch already starts with one thread per rank (its
-math library sees `MPI_LOCALNRANKS` / `OMPI_COMM_WORLD_LOCAL_SIZE`). Other launches (Slurm's
-srun or another PMI launcher without core binding, a script that sets the count itself) give
+math library sees `MPI_LOCALNRANKS` / `OMPI_COMM_WORLD_LOCAL_SIZE`). Other launches (a launcher
+that sets only `PMI_*` variables and binds no cores, a script that sets the count itself) give
 every rank a thread per core, which oversubscribes the cores many times over; OpenMP's
 spinning workers then fight the ranks' communication threads. Measured with 4 ranks on 2
 cores and 2 threads each (small model of `scripts/bench_fusion.py`): 3.0-5.4 s per step
