@@ -211,13 +211,17 @@ class Runtime:
         if mode == "off" or self.size == 1:
             return None
         one_host = self.local_size == self.size
-        enough_cores = len(set().union(*map(set, self.local_cores))) >= self.size
+        enough_cores = self.host_cores() >= self.size
         if mode == "on" and not one_host:
             raise FusionRingError("FUSIONRING_SHARED_MEMORY=on needs every rank on one host")
         if not one_host or (mode == "auto" and not enough_cores):
             return None
         return _C.SharedMemoryAllreduce(self._MPI._handleof(self._data_comm),
                                         self.config.shm_slot_bytes)
+
+    def host_cores(self) -> int:
+        """How many distinct cores the ranks of this host may run on, together."""
+        return len(set().union(*map(set, self.local_cores)))
 
     def core_share(self) -> float:
         """How many cores this rank has to itself: each core it may run on counts 1/k when k

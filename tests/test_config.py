@@ -125,6 +125,10 @@ class _Host:
         from fusionring.runtime import Runtime
         return Runtime.core_share(self)
 
+    def host_cores(self):
+        from fusionring.runtime import Runtime
+        return Runtime.host_cores(self)
+
 
 @pytest.mark.parametrize("local_cores, rank, share", [
     ([[0, 1]] * 4, 0, 0.5),  # 4 unbound ranks on 2 cores

@@ -38,8 +38,7 @@ def fit_intra_op_threads(runtime) -> Optional[int]:
         return None
     torch.set_num_threads(wanted)
     if setting == "auto" and runtime.local_rank == 0:
-        cores = len(set().union(*map(set, runtime.local_cores)))
-        print(f"fusionring: {runtime.local_size} ranks share {cores} cores on this host; torch "
+        print(f"fusionring: {runtime.local_size} ranks share {runtime.host_cores()} cores on this host; torch "
               f"now runs {wanted} intra-op thread(s) per rank instead of {current}. Set "
               f"OMP_NUM_THREADS, or FUSIONRING_TORCH_THREADS=off, to choose yourself.",
               file=sys.stderr, flush=True)
