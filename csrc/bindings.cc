@@ -177,6 +177,10 @@ class SharedMemoryAllreduce {
     py::gil_scoped_release release;
     impl_.barrier(timeout_s);
   }
+  bool close(double timeout_s) {
+    py::gil_scoped_release release;
+    return impl_.close(timeout_s);
+  }
 
  private:
   ShmAllreduce impl_;
@@ -255,7 +259,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_s") = 0.0,
            "In-place allreduce of the concatenation of the (address, bytes) buffers through a "
            "shared window: no pack or unpack copy (GIL released).")
-      .def("barrier", &SharedMemoryAllreduce::barrier, py::arg("timeout_s") = 0.0);
+      .def("barrier", &SharedMemoryAllreduce::barrier, py::arg("timeout_s") = 0.0)
+      .def("close", &SharedMemoryAllreduce::close, py::arg("timeout_s"),
+           "Free the window once every rank closes it too (collective); False, keeping it "
+           "for MPI_Finalize, if a peer is gone or timeout_s passes first.");
 
   m.def(
       "reduce_into",

@@ -172,7 +172,22 @@ ShmAllreduce::ShmAllreduce(MPI_Comm comm, std::size_t slot_bytes) {
 
 ShmAllreduce::~ShmAllreduce() {
   // MPI_Win_free synchronizes all ranks, and a rank may shut down while its peers have
-  // already failed or left: freeing here could hang. MPI_Finalize releases the window.
+  // already failed or left: freeing here could hang. close() frees it when every rank is
+  // closing; otherwise MPI_Finalize releases it.
+}
+
+bool ShmAllreduce::close(double timeout_s) {
+  if (win_ == MPI_WIN_NULL) return true;
+  try {
+    wait_for_all(++epoch_, timeout_s);
+  } catch (const CommunicationError&) {
+    return false;
+  }
+  MPI_Win_free(&win_);
+  MPI_Comm_free(&comm_);
+  header_ = nullptr;
+  slots_ = nullptr;
+  return true;
 }
 
 char* ShmAllreduce::slot(int rank, int half) const {
@@ -229,10 +244,14 @@ void ShmAllreduce::wait_for_all(std::uint64_t epoch, double timeout_s) {
   }
 }
 
-void ShmAllreduce::barrier(double timeout_s) { wait_for_all(++epoch_, timeout_s); }
+void ShmAllreduce::barrier(double timeout_s) {
+  if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");
+  wait_for_all(++epoch_, timeout_s);
+}
 
 void ShmAllreduce::allreduce(const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
                              const ShmAllreduceOptions& o) {
+  if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");
   const std::size_t esz = element_size(dtype);
   std::size_t total = 0;
   for (const auto& v : buffers) {

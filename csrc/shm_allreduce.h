@@ -48,6 +48,13 @@ class ShmAllreduce {
   // Returns once every rank has called it (a shared-memory barrier).
   void barrier(double timeout_s = 0.0);
 
+  // Frees the window, collectively: once every rank has reached close() (a shared-memory
+  // barrier that fails instead of hanging when a peer has gone or `timeout_s` passes), every
+  // rank calls MPI_Win_free. Returns false, keeping the window for MPI_Finalize, when the
+  // barrier failed. Some transports (MPICH over libfabric) fail MPI_Finalize while a window is
+  // still allocated. Nothing may be reduced afterwards.
+  bool close(double timeout_s);
+
  private:
   struct Header;
   char* slot(int rank, int half) const;

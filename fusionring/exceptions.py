@@ -24,3 +24,16 @@ class NotInitializedError(ValueError):
 
 # Horovod-compatible name, so `except hvd.HorovodInternalError` keeps working.
 HorovodInternalError = FusionRingError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The set of hosts changed; ``run`` resets the state and calls the function again.
+
+    Under mpiexec the world is fixed, so fusionring never raises it; a script may raise it
+    itself (on every rank) to force a reset of ``fusionring.torch.elastic.run``. With
+    `skip_sync` the state is not synced again.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed")
+        self.skip_sync = bool(skip_sync)

@@ -14,7 +14,8 @@ is not an option or an option's value (or after ``--``). The exit code is ``mpie
 ``horovodrun``'s host and tuning options are understood too, so a Horovod launch line works with only its
 first word changed: ``-H/--hosts HOST:SLOTS,...`` and ``--hostfile FILE`` (lines ``HOST slots=N``, or
 ``HOST:N``) become the MPI's own host list, and the tuning options become ``FUSIONRING_*`` variables for
-every rank (see :data:`HOROVODRUN_SETTINGS`).
+every rank (see :mod:`fusionring.horovodrun`, which also says what each other horovodrun option
+becomes).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fusionring import cluster as lab
+from fusionring import horovodrun
 
 MPICH = "mpich"  # Hydra process manager: MPICH, Intel MPI, MVAPICH
 OPEN_MPI = "openmpi"  # ORTE (Open MPI <= 4) or PRRTE (Open MPI 5)
@@ -39,24 +41,6 @@ USAGE = ("usage: fusionrun -np N [--dry-run] [--cluster N --rate RATE] [--slow R
          "[-H HOST:SLOTS,... | --hostfile FILE] [horovodrun tuning options] "
          "[--mpiexec PATH] [mpiexec options...] [--] PROGRAM [ARGS...]")
 
-
-def _mib_to_bytes(value: str) -> str:
-    return str(int(float(value) * 1024 * 1024))
-
-
-def _as_float(value: str) -> str:
-    return str(float(value))
-
-
-# horovodrun's tuning options -> (the FUSIONRING_* variable set on every rank, how the value is
-# converted). Horovod takes the fusion threshold in MiB; fusionring's variable is in bytes.
-HOROVODRUN_SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
-    "--fusion-threshold-mb": ("FUSIONRING_FUSION_THRESHOLD", _mib_to_bytes),
-    "--cycle-time-ms": ("FUSIONRING_CYCLE_TIME_MS", _as_float),
-    "--timeline-filename": ("FUSIONRING_TIMELINE", str),
-    "--stall-check-warning-time-seconds": ("FUSIONRING_STALL_WARNING_S", _as_float),
-    "--stall-check-shutdown-time-seconds": ("FUSIONRING_STALL_SHUTDOWN_S", _as_float),
-}
 
 # mpiexec options (Hydra's and Open MPI's) that take values, by name without leading dashes, with how
 # many tokens follow. Needed so that a value ("-hosts a,b") is not taken for the program. Options given
@@ -96,6 +80,9 @@ class LaunchRequest:
     hosts: Optional[str] = None          # HOST:SLOTS,... (-H, --hosts, or read from --hostfile)
     hostfile: Optional[str] = None       # as given, for an MPI that reads horovodrun's format itself
     rank_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # FUSIONRING_* for every rank
+    launch_options: horovodrun.LaunchOptions = dataclasses.field(
+        default_factory=horovodrun.LaunchOptions)  # horovodrun's nics, ssh, output files, ...
+    notes: List[str] = dataclasses.field(default_factory=list)  # printed to stderr before the launch
 
 
 @dataclasses.dataclass
@@ -105,6 +92,23 @@ class Launch:
     argv: List[str]
     env_added: Dict[str, str]
     flavour: str
+    files: Dict[str, str] = dataclasses.field(default_factory=dict)  # executables to write first
+    dirs: List[str] = dataclasses.field(default_factory=list)  # directories to create first
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+    def prepare(self, dirs: bool = True) -> None:
+        """Create what the command refers to: an ssh wrapper, and output directories unless
+        `dirs` is False (a dry run writes the wrapper so the printed command works as it is)."""
+        try:
+            for directory in self.dirs if dirs else []:
+                os.makedirs(directory, exist_ok=True)
+            for path, text in self.files.items():
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                if not os.path.exists(path) or Path(path).read_text() != text:
+                    Path(path).write_text(text)
+                os.chmod(path, 0o755)
+        except OSError as exc:
+            raise LaunchError(f"could not create {exc.filename}: {exc.strerror}") from None
 
     def shell_command(self) -> str:
         """The launch as one shell line: ``NAME=value ... mpiexec ...``, every word quoted as needed."""
@@ -194,7 +198,7 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
             break
         name, eq, value = token.partition("=")
         inline = value if eq else None
-        if name in ("-np", "-n", "--np"):
+        if name in ("-np", "-n", "--np", "--num-proc"):
             raw, i = _take_value(argv, i, name, inline)
             request.num_ranks = _positive_int(raw, name)
         elif name == "--dry-run":
@@ -218,19 +222,40 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
         elif name in ("--hostfile", "-hostfile"):
             request.hostfile, i = _take_value(argv, i, name, inline)
             request.hosts = _read_hostfile(request.hostfile)
-        elif name in HOROVODRUN_SETTINGS:
+        elif name in horovodrun.SETTINGS:
             raw, i = _take_value(argv, i, name, inline)
-            variable, convert = HOROVODRUN_SETTINGS[name]
+            variable, convert = horovodrun.SETTINGS[name]
             try:
                 request.rank_env[variable] = convert(raw)
             except ValueError:
                 raise LaunchError(f"{name} needs a number, got {raw!r}") from None
-        elif name == "--no-stall-check":
-            request.rank_env.update(FUSIONRING_STALL_WARNING_S="0", FUSIONRING_STALL_SHUTDOWN_S="0")
+        elif name in horovodrun.SWITCHES:
+            request.rank_env.update(horovodrun.SWITCHES[name])
             i += 1
-        elif name == "--timeline-mark-cycles":
-            request.rank_env["FUSIONRING_TIMELINE_MARK_CYCLES"] = "1"
-            i += 1
+        elif name in horovodrun.LAUNCH_OPTIONS:
+            raw = None
+            if horovodrun.LAUNCH_OPTIONS[name]:
+                raw, i = _take_value(argv, i, name, inline)
+            else:
+                i += 1
+            try:
+                request.launch_options.take(name, raw)
+            except ValueError as exc:
+                raise LaunchError(str(exc)) from None
+        elif name in horovodrun.NO_EFFECT:
+            arity, why = horovodrun.NO_EFFECT[name]
+            i = _skip_values(argv, i, name, inline, arity)
+            if why:
+                request.notes.append(f"ignoring horovodrun's {name}: {why}")
+        elif name in horovodrun.REFUSED:
+            raise LaunchError(f"{name}: {horovodrun.REFUSED[name][1]}")
+        elif name in ("-cb", "--check-build"):
+            print(horovodrun.check_build())
+            raise SystemExit(0)
+        elif name in ("-v", "--version"):
+            from fusionring import __version__
+            print(f"fusionrun (fusionring {__version__})")
+            raise SystemExit(0)
         elif name in ("-h", "--help"):
             raise SystemExit(_print_help())
         else:
@@ -241,6 +266,15 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
             i += 1 + arity
     _validate(request)
     return request
+
+
+def _skip_values(argv: Sequence[str], i: int, name: str, inline: Optional[str], arity: int) -> int:
+    """The index after option `name` (at i) and its `arity` values."""
+    if arity == 0 or inline is not None:
+        return i + 1
+    if i + arity >= len(argv):
+        raise LaunchError(f"{name} needs {arity} value(s)")
+    return i + 1 + arity
 
 
 def _parse_hosts(raw: str, what: str) -> str:
@@ -336,7 +370,19 @@ def _print_help() -> int:
           "  --timeline-filename PATH     FUSIONRING_TIMELINE\n"
           "  --timeline-mark-cycles       FUSIONRING_TIMELINE_MARK_CYCLES=1\n"
           "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"
-          "  --no-stall-check             FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S")
+          "  --no-stall-check             FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S\n"
+          "  --network-interface(s) NIC[,NIC]  the interfaces MPI (and NCCL/Gloo) may use\n"
+          "  -p/--ssh-port PORT, -i/--ssh-identity-file FILE  how mpiexec reaches other hosts\n"
+          "  --output-filename DIR        each rank's output in DIR/rank.N/stdout and stderr\n"
+          "                               (Open MPI: its own --output-filename layout)\n"
+          "  --mpi-args ARGS, --binding-args ARGS  more words for mpiexec\n"
+          "  --tcp                        TCP between hosts, no fabrics\n"
+          "  --prefix-output-with-timestamp  Open MPI's --timestamp-output (MPICH has none)\n"
+          "  --verbose                    print the mpiexec command before running it\n"
+          "  -cb/--check-build, -v/--version   report and exit\n"
+          "  --mpi, --disable-cache and options for parts fusionring lacks (autotuning,\n"
+          "  hierarchical allreduce, NCCL streams, log levels, ...) are accepted with a note;\n"
+          "  --gloo, --jsrun, --config-file and elastic options stop the launch with the reason.")
     return 0
 
 
@@ -364,9 +410,13 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
             argv += (["--hostfile", request.hostfile] if request.hostfile else ["-H", request.hosts])
         else:
             argv += ["-hosts", request.hosts]
-    env.update(request.rank_env)
+    translation = horovodrun.translate(request.launch_options,
+                                       OPEN_MPI if flavour == OPEN_MPI else MPICH, request.num_ranks)
+    argv += translation.words
+    rank_env = {**request.rank_env, **translation.env}
+    env.update(rank_env)
     if flavour == OPEN_MPI:
-        for name in request.rank_env:  # Open MPI forwards only the variables it is told to
+        for name in rank_env:  # Open MPI forwards only the variables it is told to
             argv += ["-x", name]
     argv.extend(request.mpiexec_options)
 
@@ -400,7 +450,8 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
         if index:
             argv.append(":")
         argv += ["-n", str(count)] + words
-    return Launch(argv, env, flavour)
+    return Launch(argv, env, flavour, files=translation.files, dirs=translation.dirs,
+                  notes=request.notes + translation.notes)
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -521,13 +572,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"fusionrun: could not tell which MPI {mpiexec} belongs to; adding no flavour-specific "
                   f"options", file=sys.stderr)
         launch = build_launch(request, mpiexec, flavour)
+        for note in launch.notes:
+            print(f"fusionrun: {note}", file=sys.stderr)
+        if request.launch_options.verbose and not request.dry_run:
+            print(f"fusionrun: {launch.shell_command()}", file=sys.stderr, flush=True)
         if request.dry_run:
             if request.cluster_size is not None:
                 print(f"fusionrun: would build the lab first (python -m fusionring.cluster up "
                       f"{request.cluster_size} --rate {request.rate}) and remove it afterwards",
                       file=sys.stderr)
+            launch.prepare(dirs=False)
+            if launch.dirs:
+                print(f"fusionrun: mpiexec writes to {os.path.dirname(launch.dirs[0])}/rank.N/, "
+                      f"which a real run creates first", file=sys.stderr)
             print(launch.shell_command())
             return 0
+        launch.prepare()
         if request.cluster_size is not None:
             return _with_lab(request, lambda: run_launch(launch))
         return run_launch(launch)

@@ -43,6 +43,9 @@ _ALL_IDLE_WAIT_S = 0.05
 # How long a loop whose caller is blocked runs rounds back to back before it goes back to
 # timed cycles (a late rank usually submits within this; a stuck one is left to stall checks).
 _EAGER_ROUNDS_S = 0.05
+# How long shutdown() waits for the other ranks to shut down too before freeing the
+# shared-memory window together (ranks that finish training together arrive within moments).
+_SHM_CLOSE_WAIT_S = 60.0
 
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
@@ -318,6 +321,12 @@ class Runtime:
         self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
         if self._timeline_owner is None:
             self.stop_timeline()
+        shm, self._shm = self._shm, None
+        if shm is not None and not self._thread.is_alive():
+            # Freed collectively once every rank is closing (MPICH over libfabric fails
+            # MPI_Finalize while a window is allocated); skipped if a peer is gone or much
+            # later, leaving the window to MPI_Finalize.
+            shm.close(_SHM_CLOSE_WAIT_S)
         for comm in (self._control_comm, self._data_comm):
             try:
                 comm.Free()

@@ -274,3 +274,25 @@ def test_horovod_submodule_imports_resolve_to_the_same_objects():
                                                                  hvd.broadcast_optimizer_state)
     assert DistributedOptimizer is hvd.DistributedOptimizer
     assert SyncBatchNorm is hvd.SyncBatchNorm
+
+
+def test_horovod_common_imports_resolve_to_the_same_objects():
+    """`from horovod.common.exceptions import ...` and `horovod.common.process_sets` with only
+    `horovod` changed, as elastic scripts write them."""
+    import subprocess
+    import sys
+
+    import fusionring.torch as hvd
+    from fusionring.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+    from fusionring.common.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                                remove_process_set)
+
+    assert HorovodInternalError is hvd.HorovodInternalError
+    assert HostsUpdatedInterrupt is hvd.elastic.HostsUpdatedInterrupt
+    assert (ProcessSet, add_process_set, global_process_set, remove_process_set) == (
+        hvd.ProcessSet, hvd.add_process_set, hvd.global_process_set, hvd.remove_process_set)
+    # Like Horovod's, the exceptions can be imported without torch.
+    done = subprocess.run([sys.executable, "-c", "import sys, fusionring.common.exceptions; "
+                           "print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr

@@ -191,6 +191,45 @@ def test_shared_memory_waits_fail_with_a_message_instead_of_hanging(tmp_path):
     assert "rank 1 waited 0 s for rank 0 in a shared-memory allreduce" in results[1]
 
 
+SHM_CLOSE = r'''
+import os, time
+import numpy as np
+from mpi4py import MPI
+from fusionring import _C
+comm = MPI.COMM_WORLD
+x = np.ones(10, np.float32)
+shm = _C.SharedMemoryAllreduce(MPI._handleof(comm.Dup()), 4096)
+shm.allreduce([x.ctypes.data], [x.nbytes], 0, 0)
+if comm.rank == 1:
+    time.sleep(0.5)  # close() waits for the late rank
+started = time.monotonic()
+closed = shm.close(30.0)
+waited = time.monotonic() - started
+try:
+    shm.allreduce([x.ctypes.data], [x.nbytes], 0, 0)
+    after = "no error"
+except ValueError as exc:
+    after = str(exc)
+# A second window that rank 1 never closes: rank 0 gives up at its time limit.
+lone = _C.SharedMemoryAllreduce(MPI._handleof(comm.Dup()), 4096)
+lone_closed = None
+started = time.monotonic()
+if comm.rank == 0:
+    lone_closed = lone.close(1.0)
+report({"closed": closed, "after": after, "waited": waited, "lone_closed": lone_closed,
+        "lone_waited": time.monotonic() - started})
+comm.Barrier()
+'''
+
+
+def test_shared_memory_window_is_freed_together_and_given_up_on_a_peer_that_never_closes(tmp_path):
+    results = run_ranks(2, SHM_CLOSE, tmp_path, timeout=60)
+    assert [r["closed"] for r in results] == [True, True]
+    assert results[0]["waited"] > 0.3  # rank 0 waited for rank 1 to close too
+    assert all("closed" in r["after"] for r in results)
+    assert results[0]["lone_closed"] is False and 0.9 < results[0]["lone_waited"] < 20
+
+
 EXECUTOR_FAILURE = r'''
 import time, torch
 import fusionring.torch as hvd

@@ -127,15 +127,15 @@ def test_open_mpi_root_settings_depend_on_root_only():
 def test_unknown_options_pass_through_unchanged_before_the_program(fake_mpiexec):
     mpiexec = fake_mpiexec(MPICH_VERSION)
     words = shlex.split(_dry_run(mpiexec, "-np", "2", "-hosts", "localhost", "-genv", "A", "1",
-                                 "--verbose", "--map-by=core", "python", "t.py", "-hosts", "x"))
-    assert words == [mpiexec, "-hosts", "localhost", "-genv", "A", "1", "--verbose", "--map-by=core",
+                                 "-prepend-rank", "--map-by=core", "python", "t.py", "-hosts", "x"))
+    assert words == [mpiexec, "-hosts", "localhost", "-genv", "A", "1", "-prepend-rank", "--map-by=core",
                      "-n", "2", "python", "t.py", "-hosts", "x"]
 
 
 def test_double_dash_ends_the_options_and_later_ones_belong_to_the_program(fake_mpiexec):
     mpiexec = fake_mpiexec(MPICH_VERSION)
-    words = shlex.split(_dry_run(mpiexec, "-np", "2", "--verbose", "--", "python", "t.py", "--", "-np", "9"))
-    assert words == [mpiexec, "--verbose", "-n", "2", "python", "t.py", "--", "-np", "9"]
+    words = shlex.split(_dry_run(mpiexec, "-np", "2", "-prepend-rank", "--", "python", "t.py", "--", "-np", "9"))
+    assert words == [mpiexec, "-prepend-rank", "-n", "2", "python", "t.py", "--", "-np", "9"]
 
 
 def test_slow_rank_gets_the_slowdown_env_and_no_other_rank_does(fake_mpiexec):
@@ -350,3 +350,110 @@ def test_a_horovodrun_line_runs_with_the_environment_mpiexec(tmp_path):
                      str(script), str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
+
+
+def test_horovodrun_launch_options_in_each_mpis_words(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["-np", "2", "--network-interface", "eth1", "--network-interfaces=eth2,eth1", "-p", "2222",
+            "-i", "/keys/id", "--output-filename", str(tmp_path / "logs"), "--tcp",
+            "--mpi-args=-genv A 1", "--binding-args", "-bind-to core", "python", "t.py"]
+    request = run.parse_args(args)
+    mpich = run.build_launch(request, "mpiexec", run.MPICH, running_as_root=False)
+    wrapper = str(tmp_path / "cache" / "fusionring" / Path(mpich.argv[4]).name)
+    logs = str(tmp_path / "logs")
+    assert mpich.argv == ["mpiexec", "-launcher", "ssh", "-launcher-exec", wrapper, "-iface", "eth1",
+                          "-outfile-pattern", f"{logs}/rank.%r/stdout",
+                          "-errfile-pattern", f"{logs}/rank.%r/stderr",
+                          "-genv", "A", "1", "-bind-to", "core", "-n", "2", "python", "t.py"]
+    assert mpich.env_added == {"FI_TCP_IFACE": "eth1", "UCX_NET_DEVICES": "eth1,eth2",
+                               "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+                               "NCCL_SOCKET_IFNAME": "eth1,eth2", "GLOO_SOCKET_IFNAME": "eth1"}
+    assert mpich.dirs == [f"{logs}/rank.0", f"{logs}/rank.1"]
+    assert mpich.files[wrapper] == '#!/bin/sh\nexec ssh -p 2222 -i /keys/id "$@"\n'
+    ompi = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    assert ompi.argv[:ompi.argv.index("-genv")] == [
+        "mpiexec", "--oversubscribe", "--mca", "plm_rsh_args", "-p 2222 -i /keys/id",
+        "--mca", "btl_tcp_if_include", "eth1,eth2", "--mca", "pml", "ob1", "--mca", "btl",
+        "^openib,uct,ofi", "--output-filename", logs]
+    exported = [ompi.argv[i + 1] for i, word in enumerate(ompi.argv) if word == "-x"]
+    assert sorted(exported) == ["GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"]
+    assert ompi.files == {} and ompi.dirs == []
+
+
+def test_the_ssh_wrapper_hands_port_and_identity_to_ssh(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    request = run.parse_args(["-np", "2", "--ssh-port", "2200", "--ssh-identity-file", "/k/my key",
+                              "python", "t.py"])
+    launch = run.build_launch(request, "mpiexec", run.MPICH, running_as_root=False)
+    launch.prepare()
+    wrapper = launch.argv[launch.argv.index("-launcher-exec") + 1]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(f"#!{sys.executable}\nimport json, sys\n"
+                              f"open({str(tmp_path / 'ssh.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    (fake / "ssh").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run([wrapper, "-x", "node7", "hydra_pmi_proxy --a 'b c'"], env=env, check=True, timeout=30)
+    assert json.loads((tmp_path / "ssh.json").read_text()) == [
+        "-p", "2200", "-i", "/k/my key", "-x", "node7", "hydra_pmi_proxy --a 'b c'"]
+
+
+@pytest.mark.parametrize("option, note", [
+    (["--autotune", "--autotune-log-file", "t.csv"], "has no autotuner"),
+    (["--hierarchical-allreduce"], "no hierarchical mode"),
+    (["--start-timeout", "30"], "no checks of its own"),
+    (["--log-level", "DEBUG"], "no log levels"),
+    (["--num-nccl-streams", "2"], "no NCCL transport"),
+    (["--mpi", "--disable-cache", "--log-without-timestamp", "--stall-check"], None),
+])
+def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpiexec, option, note):
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "--dry-run", "-np", "2", *option, "python", "t.py")
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout.strip()) == [mpich, "-n", "2", "python", "t.py"]
+    if note is None:
+        assert done.stderr == ""
+    else:
+        assert f"fusionrun: ignoring horovodrun's {option[0]}: " in done.stderr and note in done.stderr
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--gloo"], "MPI processes started by mpiexec"),
+    (["--jsrun"], "drop --jsrun"),
+    (["--config-file", "hvd.yaml"], "YAML"),
+    (["--min-np", "2", "--max-np", "4"], "elastic launches are not supported"),
+    (["--host-discovery-script", "d.sh"], "elastic launches are not supported"),
+    (["-p", "ssh"], "needs a port number"),
+    (["--network-interface", ","], "needs a network interface name"),
+])
+def test_horovodrun_options_whose_meaning_cannot_be_kept_stop_the_launch(fake_mpiexec, option, message):
+    done = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", "-np", "2", *option,
+                     "python", "t.py")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_check_build_and_version_report_and_exit():
+    done = fusionrun("--check-build")
+    assert done.returncode == 0
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    assert "[X] PyTorch" in lines and "[X] MPI" in lines and "[ ] Gloo" in lines
+    assert "[ ] NCCL" in lines
+    from fusionring import __version__
+    assert fusionrun("-v").stdout.strip() == f"fusionrun (fusionring {__version__})"
+
+
+def test_horovodrun_launch_options_in_a_real_run(tmp_path):
+    # --tcp makes MPICH use libfabric's TCP provider, which fails MPI_Finalize if the
+    # shared-memory window of 2 ranks on 2+ cores were still allocated at exit.
+    script = tmp_path / "t.py"
+    script.write_text("import sys, torch, fusionring.torch as hvd\nhvd.init()\n"
+                      "print('sum', hvd.allreduce(torch.ones(4), op=hvd.Sum).tolist())\n"
+                      "print('rank', hvd.rank(), file=sys.stderr)\n")
+    logs = tmp_path / "logs"
+    done = fusionrun("-np", "2", "--network-interface", "lo", "--tcp", "--output-filename", str(logs),
+                     "--verbose", sys.executable, str(script), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fusionrun: " in done.stderr and "-outfile-pattern" in done.stderr  # --verbose
+    for rank in range(2):
+        assert (logs / f"rank.{rank}" / "stdout").read_text() == "sum [2.0, 2.0, 2.0, 2.0]\n"
+        assert f"rank {rank}" in (logs / f"rank.{rank}" / "stderr").read_text()

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 
 import torch
 
-from ..exceptions import HorovodInternalError, NotInitializedError
+from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, is_initialized, rank, size)
 
@@ -25,18 +25,6 @@ __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "O
            "State", "TorchState", "run"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """The set of hosts changed; ``run`` resets the state and calls the function again.
-
-    Under mpiexec the world is fixed, so fusionring never raises it; a script may raise it
-    itself (on every rank) to force a reset. With `skip_sync` the state is not synced again.
-    """
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("the set of hosts changed")
-        self.skip_sync = bool(skip_sync)
 
 
 # ---------------------------------------------------------------------- state

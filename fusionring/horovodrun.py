@@ -1,0 +1,252 @@
+"""``horovodrun``'s command-line options, in ``fusionrun``'s terms.
+
+A Horovod launch line works with only its first word changed. Each of horovodrun's options is one of:
+
+- a fusionring setting (:data:`SETTINGS`): it becomes a ``FUSIONRING_*`` variable on every rank;
+- a launch option (:data:`LAUNCH_OPTIONS`: hosts, network interfaces, ssh, output files, extra
+  ``mpirun`` arguments): :func:`mpiexec_words` turns it into the found MPI's own options;
+- an option for a part of Horovod that fusionring does not have (:data:`NO_EFFECT`: autotuning,
+  hierarchical allreduce, NCCL streams, ...): accepted, with one line on stderr saying why it
+  changes nothing, so the job still runs;
+- an option whose meaning cannot be kept (:data:`REFUSED`: elastic launches, Gloo, jsrun, YAML
+  config files): the launch stops with the reason before anything starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shlex
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+MPICH = "mpich"
+OPEN_MPI = "openmpi"
+
+
+def _mib_to_bytes(value: str) -> str:
+    return str(int(float(value) * 1024 * 1024))
+
+
+def _as_float(value: str) -> str:
+    return str(float(value))
+
+
+# option -> (the FUSIONRING_* variable set on every rank, how the value is converted). Horovod
+# takes the fusion threshold in MiB; fusionring's variable is in bytes.
+SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
+    "--fusion-threshold-mb": ("FUSIONRING_FUSION_THRESHOLD", _mib_to_bytes),
+    "--cycle-time-ms": ("FUSIONRING_CYCLE_TIME_MS", _as_float),
+    "--timeline-filename": ("FUSIONRING_TIMELINE", str),
+    "--stall-check-warning-time-seconds": ("FUSIONRING_STALL_WARNING_S", _as_float),
+    "--stall-check-shutdown-time-seconds": ("FUSIONRING_STALL_SHUTDOWN_S", _as_float),
+}
+
+# Switches that set fusionring variables (or restore the default, which is nothing to set).
+SWITCHES: Dict[str, Dict[str, str]] = {
+    "--no-stall-check": {"FUSIONRING_STALL_WARNING_S": "0", "FUSIONRING_STALL_SHUTDOWN_S": "0"},
+    "--stall-check": {},
+    "--timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "1"},
+    "--no-timeline-mark-cycles": {},
+}
+
+# Launch options handled by LaunchOptions (name -> how many values follow).
+LAUNCH_OPTIONS: Dict[str, int] = {
+    "--network-interface": 1, "--network-interfaces": 1, "--nics": 1,
+    "-p": 1, "--ssh-port": 1, "-i": 1, "--ssh-identity-file": 1,
+    "--output-filename": 1, "--mpi-args": 1, "--binding-args": 1, "--tcp": 0,
+    "-prefix-timestamp": 0, "--prefix-output-with-timestamp": 0, "--verbose": 0,
+}
+
+_AUTOTUNE = ("fusionring has no autotuner: --fusion-threshold-mb and --cycle-time-ms set the values, "
+             "and a grouping plan (docs/plan.md) balances the buffers")
+_HIERARCHICAL = "fusionring's ring spans all ranks; it has no hierarchical mode"
+# Options for parts of horovodrun or Horovod that fusionring does not have: name -> (values that
+# follow, why it changes nothing; "" when it asks for what fusionring does anyway, said nothing of).
+NO_EFFECT: Dict[str, Tuple[int, str]] = {
+    "--mpi": (0, ""),
+    "--disable-cache": (0, ""),
+    "--start-timeout": (1, "fusionrun makes no checks of its own before mpiexec starts the ranks"),
+    "--cache-capacity": (1, "fusionring keeps every tensor name it has agreed on"),
+    "--hierarchical-allreduce": (0, _HIERARCHICAL),
+    "--no-hierarchical-allreduce": (0, ""),
+    "--hierarchical-allgather": (0, _HIERARCHICAL),
+    "--no-hierarchical-allgather": (0, ""),
+    "--autotune": (0, _AUTOTUNE),
+    "--no-autotune": (0, ""),
+    "--autotune-log-file": (1, _AUTOTUNE),
+    "--autotune-warmup-samples": (1, _AUTOTUNE),
+    "--autotune-steps-per-sample": (1, _AUTOTUNE),
+    "--autotune-bayes-opt-max-samples": (1, _AUTOTUNE),
+    "--autotune-gaussian-process-noise": (1, _AUTOTUNE),
+    "--num-nccl-streams": (1, "fusionring has no NCCL transport"),
+    "--thread-affinity": (1, "fusionring does not pin its background thread to a core"),
+    "--gloo-timeout-seconds": (1, "fusionring does not run over Gloo"),
+    "--mpi-threads-disable": (0, "fusionring's background thread calls MPI while the training "
+                                 "thread may too, so it needs MPI_THREAD_MULTIPLE"),
+    "--no-mpi-threads-disable": (0, ""),
+    "--log-level": (1, "fusionring has no log levels: its warnings and errors always go to stderr"),
+    "--log-with-timestamp": (0, "fusionring's messages carry no timestamps"),
+    "--log-without-timestamp": (0, ""),
+    "--log-hide-timestamp": (0, ""),
+    "--no-log-hide-timestamp": (0, "fusionring's messages carry no timestamps"),
+}
+
+_ELASTIC = ("elastic launches are not supported: fusionrun starts a fixed set of MPI ranks "
+            "(hvd.elastic.run still restores the last committed state after an error); "
+            "drop the elastic options and give -np")
+# Options whose meaning fusionrun cannot keep: name -> (values that follow, the reason).
+REFUSED: Dict[str, Tuple[int, str]] = {
+    "--gloo": (0, "fusionring's ranks are MPI processes started by mpiexec; drop --gloo"),
+    "--jsrun": (0, "fusionrun starts the ranks with mpiexec; drop --jsrun, or start the script "
+                   "with jsrun yourself (every rank is an MPI process)"),
+    "--config-file": (1, "fusionrun does not read horovodrun's YAML configuration files; give "
+                         "its settings as options (fusionrun --help lists them)"),
+    "--min-np": (1, _ELASTIC), "--min-num-proc": (1, _ELASTIC),
+    "--max-np": (1, _ELASTIC), "--max-num-proc": (1, _ELASTIC),
+    "--slots-per-host": (1, _ELASTIC), "--elastic-timeout": (1, _ELASTIC),
+    "--reset-limit": (1, _ELASTIC), "--blacklist-cooldown-range": (2, _ELASTIC),
+    "--host-discovery-script": (1, _ELASTIC),
+}
+
+
+@dataclasses.dataclass
+class LaunchOptions:
+    """horovodrun's launch options as given, before they are put in one MPI's words."""
+
+    nics: List[str] = dataclasses.field(default_factory=list)
+    ssh_port: Optional[int] = None
+    ssh_identity_file: Optional[str] = None
+    output_dir: Optional[str] = None
+    extra_mpi_args: List[str] = dataclasses.field(default_factory=list)  # --mpi-args, --binding-args
+    tcp: bool = False
+    prefix_timestamp: bool = False
+    verbose: bool = False
+
+    def take(self, name: str, value: Optional[str]) -> None:
+        """Record one option (`value` is None for a switch). Raises ValueError naming it."""
+        if name in ("--network-interface", "--network-interfaces", "--nics"):
+            nics = [nic.strip() for nic in value.split(",") if nic.strip()]
+            if not nics:
+                raise ValueError(f"{name} needs a network interface name (e.g. eth0)")
+            self.nics += [nic for nic in nics if nic not in self.nics]
+        elif name in ("-p", "--ssh-port"):
+            if not (value.isdigit() and 0 < int(value) < 65536):
+                raise ValueError(f"{name} needs a port number, got {value!r}")
+            self.ssh_port = int(value)
+        elif name in ("-i", "--ssh-identity-file"):
+            self.ssh_identity_file = value
+        elif name == "--output-filename":
+            self.output_dir = value
+        elif name in ("--mpi-args", "--binding-args"):
+            try:
+                self.extra_mpi_args += shlex.split(value)
+            except ValueError as exc:
+                raise ValueError(f"{name} {value!r}: {exc}") from None
+        elif name == "--tcp":
+            self.tcp = True
+        elif name in ("-prefix-timestamp", "--prefix-output-with-timestamp"):
+            self.prefix_timestamp = True
+        elif name == "--verbose":
+            self.verbose = True
+        else:
+            raise KeyError(name)
+
+
+@dataclasses.dataclass
+class Translation:
+    """What the launch options become for one MPI: mpiexec words, variables for every rank, files
+    and directories to create before mpiexec starts, and notes for the user."""
+
+    words: List[str] = dataclasses.field(default_factory=list)
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    files: Dict[str, str] = dataclasses.field(default_factory=dict)  # path -> executable script
+    dirs: List[str] = dataclasses.field(default_factory=list)
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+
+def ssh_wrapper_path(ssh_args: List[str]) -> str:
+    """Where the ssh wrapper for these arguments lives: one per distinct set, reused across runs,
+    so a printed (dry-run) command stays valid."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusionring"
+    digest = hashlib.sha256("\0".join(ssh_args).encode()).hexdigest()[:12]
+    return str(cache / f"ssh-{digest}")
+
+
+def translate(options: LaunchOptions, flavour: str, num_ranks: int) -> Translation:
+    """Put the launch options in the words of `flavour`'s mpiexec."""
+    out = Translation()
+    ssh_args: List[str] = []
+    if options.ssh_port is not None:
+        ssh_args += ["-p", str(options.ssh_port)]
+    if options.ssh_identity_file:
+        ssh_args += ["-i", options.ssh_identity_file]
+    if flavour == OPEN_MPI:
+        if ssh_args:
+            out.words += ["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in ssh_args)]
+        if options.nics:
+            nics = ",".join(options.nics)
+            # MPI's data only: Open MPI's launcher finds its own way, and refuses loopback there
+            out.words += ["--mca", "btl_tcp_if_include", nics]
+        if options.tcp:  # ob1 with its byte transfer layers (TCP, shared memory, self), no fabrics
+            out.words += ["--mca", "pml", "ob1", "--mca", "btl", "^openib,uct,ofi"]
+        if options.output_dir:
+            out.words += ["--output-filename", options.output_dir]
+        if options.prefix_timestamp:
+            out.words += ["--timestamp-output"]
+    else:
+        if ssh_args:
+            # Hydra's -launcher-exec names one executable and takes no arguments of its own.
+            wrapper = ssh_wrapper_path(ssh_args)
+            out.files[wrapper] = ("#!/bin/sh\nexec ssh " + " ".join(shlex.quote(a) for a in ssh_args)
+                                  + ' "$@"\n')
+            out.words += ["-launcher", "ssh", "-launcher-exec", wrapper]
+        if options.nics:
+            # Hydra's own connections and the TCP transports of MPICH's libfabric and UCX builds
+            out.words += ["-iface", options.nics[0]]
+            out.env["FI_TCP_IFACE"] = options.nics[0]
+            out.env["UCX_NET_DEVICES"] = ",".join(options.nics)
+        if options.tcp:
+            out.env.update(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+        if options.output_dir:
+            # Hydra writes to the pattern's files but creates no directories.
+            out.dirs += [os.path.join(options.output_dir, f"rank.{r}") for r in range(num_ranks)]
+            pattern = os.path.join(options.output_dir, "rank.%r")
+            out.words += ["-outfile-pattern", os.path.join(pattern, "stdout"),
+                          "-errfile-pattern", os.path.join(pattern, "stderr")]
+        if options.prefix_timestamp:
+            out.notes.append("ignoring horovodrun's --prefix-output-with-timestamp: MPICH's "
+                             "mpiexec cannot timestamp output (its -prepend-rank labels it by rank)")
+    if options.nics:  # torch.distributed, NCCL and Gloo, should the script use them too
+        out.env["NCCL_SOCKET_IFNAME"] = ",".join(options.nics)
+        out.env["GLOO_SOCKET_IFNAME"] = options.nics[0]
+    out.words += options.extra_mpi_args
+    return out
+
+
+def check_build() -> str:
+    """horovodrun --check-build's report, for this installation."""
+    import importlib.util
+
+    from fusionring import __version__
+
+    try:
+        from fusionring import _C
+        core, cuda = True, bool(getattr(_C, "cuda_built", False))
+    except ImportError:
+        core = cuda = False
+
+    def box(flag: bool) -> str:
+        return "[X]" if flag else "[ ]"
+
+    torch_found = importlib.util.find_spec("torch") is not None
+    lines = [f"fusionring v{__version__}:", "",
+             "Available Frameworks:",
+             f"    {box(False)} TensorFlow", f"    {box(torch_found)} PyTorch", f"    {box(False)} MXNet",
+             "", "Available Controllers:", f"    {box(core)} MPI", f"    {box(False)} Gloo",
+             "", "Available Tensor Operations:", f"    {box(False)} NCCL", f"    {box(False)} DDL",
+             f"    {box(False)} CCL", f"    {box(core)} MPI", f"    {box(False)} Gloo",
+             f"    {box(cuda)} CUDA kernels (N:M)"]
+    if not core:
+        lines += ["", "fusionring._C is not built: reinstall with `pip install .`"]
+    return "\n".join(lines)
