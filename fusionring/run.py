@@ -388,15 +388,24 @@ def _print_help() -> int:
 
 # ------------------------------------------------------------------------------------ the command
 
+def _forwardable(name: str) -> bool:
+    """Whether an environment variable may be forwarded by name (shell functions and the
+    previous directory are the shell's own)."""
+    return name.isidentifier() and not name.startswith("BASH_FUNC_") and name != "OLDPWD"
+
+
 def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
-                 running_as_root: Optional[bool] = None) -> Launch:
+                 running_as_root: Optional[bool] = None,
+                 environ: Optional[Dict[str, str]] = None) -> Launch:
     """Turn a request into the exact mpiexec command and the environment variables it adds.
 
     Ranks that need different argv (a namespace, a slowdown) are started as MPMD segments
-    (``-n K prog : -n 1 env X=Y prog ...``); otherwise a plain ``-n N prog``.
+    (``-n K prog : -n 1 env X=Y prog ...``); otherwise a plain ``-n N prog``. `environ` (default:
+    this process's) is what Open MPI is told to forward to other hosts.
     """
     if running_as_root is None:
         running_as_root = os.geteuid() == 0
+    environ = os.environ if environ is None else environ
     argv, env = [mpiexec], {}
     if flavour == OPEN_MPI:
         # Open MPI refuses more ranks than cores, and refuses root, unless told otherwise
@@ -416,7 +425,14 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
     rank_env = {**request.rank_env, **translation.env}
     env.update(rank_env)
     if flavour == OPEN_MPI:
-        for name in rank_env:  # Open MPI forwards only the variables it is told to
+        # Open MPI gives remote ranks only the variables it is told to; horovodrun tells it
+        # the launching shell's whole environment, so HOROVOD_*/FUSIONRING_* settings, PATH
+        # and PYTHONPATH reach every host. Ranks on this host inherit them anyway.
+        forwarded = list(rank_env)
+        if request.hosts is not None:
+            forwarded += sorted(name for name in environ
+                                if name not in rank_env and _forwardable(name))
+        for name in forwarded:
             argv += ["-x", name]
     argv.extend(request.mpiexec_options)
 

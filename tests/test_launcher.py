@@ -283,8 +283,17 @@ def test_horovodrun_hosts_become_each_mpis_own_host_list(fake_mpiexec):
     words = shlex.split(_dry_run(mpich, "-np", "4", "--hosts=a:2, b", "python", "t.py"))
     assert words == [mpich, "-hosts", "a:2,b", "-n", "4", "python", "t.py"]
     request = run.parse_args(["-np", "4", "-H", "a:2,b:2", "python", "t.py"])
-    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
-    assert launch.argv == ["mpiexec", "--oversubscribe", "-H", "a:2,b:2", "-n", "4", "python", "t.py"]
+    environ = {"PYTHONPATH": "/src", "HOROVOD_FUSION_THRESHOLD": "0", "OLDPWD": "/",
+               "BASH_FUNC_f%%": "() { :; }"}
+    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False,
+                              environ=environ)
+    # Like horovodrun, the launching shell's environment reaches the other hosts' ranks.
+    assert launch.argv == ["mpiexec", "--oversubscribe", "-H", "a:2,b:2",
+                           "-x", "HOROVOD_FUSION_THRESHOLD", "-x", "PYTHONPATH",
+                           "-n", "4", "python", "t.py"]
+    one_host = run.build_launch(run.parse_args(["-np", "4", "python", "t.py"]), "mpiexec",
+                                run.OPEN_MPI, running_as_root=False, environ=environ)
+    assert "-x" not in one_host.argv  # local ranks inherit it
 
 
 def test_horovodrun_hostfile_is_read_in_either_format(fake_mpiexec, tmp_path):
@@ -294,7 +303,7 @@ def test_horovodrun_hostfile_is_read_in_either_format(fake_mpiexec, tmp_path):
     words = shlex.split(_dry_run(mpich, "-np", "7", "--hostfile", str(hostfile), "python", "t.py"))
     assert words == [mpich, "-hosts", "node1:4,node2:2,node3", "-n", "7", "python", "t.py"]
     request = run.parse_args(["-np", "7", "--hostfile", str(hostfile), "python", "t.py"])
-    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False)
+    launch = run.build_launch(request, "mpiexec", run.OPEN_MPI, running_as_root=False, environ={})
     assert launch.argv[2:4] == ["--hostfile", str(hostfile)]
 
 
