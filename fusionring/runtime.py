@@ -43,9 +43,10 @@ _ALL_IDLE_WAIT_S = 0.05
 # How long a loop whose caller is blocked runs rounds back to back before it goes back to
 # timed cycles (a late rank usually submits within this; a stuck one is left to stall checks).
 _EAGER_ROUNDS_S = 0.05
-# How long shutdown() waits for the other ranks to shut down too before freeing the
-# shared-memory window together (ranks that finish training together arrive within moments).
+# How long a rank at exit waits for the others to reach their exit too before the
+# shared-memory windows are freed together (MPI_Finalize waits for them anyway).
 _SHM_CLOSE_WAIT_S = 60.0
+_windows_to_close: List["_C.SharedMemoryAllreduce"] = []
 
 # torch dtype -> the core's DType code (csrc/dtype.h).
 DTYPE_CODES: Dict[torch.dtype, int] = {
@@ -323,10 +324,10 @@ class Runtime:
             self.stop_timeline()
         shm, self._shm = self._shm, None
         if shm is not None and not self._thread.is_alive():
-            # Freed collectively once every rank is closing (MPICH over libfabric fails
-            # MPI_Finalize while a window is allocated); skipped if a peer is gone or much
-            # later, leaving the window to MPI_Finalize.
-            shm.close(_SHM_CLOSE_WAIT_S)
+            # Freeing is collective, and this rank may shut down long before the others:
+            # the window is freed at exit (MPICH over libfabric fails MPI_Finalize while one
+            # is allocated), so that shutdown() itself never waits for them.
+            _windows_to_close.append(shm)
         for comm in (self._control_comm, self._data_comm):
             try:
                 comm.Free()
@@ -899,9 +900,19 @@ def init(comm=None) -> Runtime:
         _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
     if not _atexit_registered:
+        # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
+        atexit.register(close_shared_memory)
         atexit.register(shutdown)
         _atexit_registered = True
     return _runtime
+
+
+def close_shared_memory() -> None:
+    """Free the shared-memory windows of runtimes that have shut down, in the order they were
+    made (the same on every rank). Collective: every rank calls it at exit. A window whose
+    peers have gone, or do not arrive within a minute, is left to MPI_Finalize."""
+    while _windows_to_close:
+        _windows_to_close.pop(0).close(_SHM_CLOSE_WAIT_S)
 
 
 def shutdown() -> None:

@@ -230,6 +230,27 @@ def test_shared_memory_window_is_freed_together_and_given_up_on_a_peer_that_neve
     assert results[0]["lone_closed"] is False and 0.9 < results[0]["lone_waited"] < 20
 
 
+EARLY_SHUTDOWN = r'''
+import os, time, torch
+import fusionring.torch as hvd
+from mpi4py import MPI
+hvd.init()
+hvd.allreduce(torch.ones(3))
+if hvd.rank() == 1:
+    started = time.monotonic()
+    hvd.shutdown()  # returns at once, though rank 0 is still busy
+    report(time.monotonic() - started)
+else:
+    time.sleep(2)
+    report(0.0)
+'''
+
+
+def test_shutdown_does_not_wait_for_ranks_still_running(tmp_path):
+    results = run_ranks(2, EARLY_SHUTDOWN, tmp_path, timeout=60)
+    assert results[1] < 1.0
+
+
 EXECUTOR_FAILURE = r'''
 import time, torch
 import fusionring.torch as hvd
