@@ -777,7 +777,7 @@ def _launch(args: argparse.Namespace, rate: Optional[str], contenders: Sequence[
 
     with tempfile.TemporaryDirectory(prefix="fusionring-bench-") as scratch:
         out = Path(scratch) / "result.json"
-        argv = [sys.executable, "-m", "fusionring.run", "-np", str(args.np)]
+        argv = [sys.executable, "-m", "fusionring.launcher", "-np", str(args.np)]
         if rate is not None:
             argv += ["--cluster", str(args.np), "--rate", rate]
         if args.mpiexec:

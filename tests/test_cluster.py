@@ -159,7 +159,7 @@ os.write(1, f"rank {{comm.rank}} ok {{ok}} seconds {{elapsed:.3f}}\\n".encode())
 
 
 def _mpich_or_reason() -> str:
-    from fusionring import run
+    from fusionring import launcher as run
     try:
         flavour = run.detect_flavour(run.find_mpiexec())
     except Exception as exc:  # no mpiexec at all
@@ -173,7 +173,7 @@ def test_fusionrun_cluster_allreduces_over_the_shaped_links_and_removes_the_lab(
         pytest.skip(_mpich_or_reason())
     rate = "100mbit"
     started = time.monotonic()
-    done = _run_module("fusionring.run", "-np", "2", "--cluster", "2", "--rate", rate,
+    done = _run_module("fusionring.launcher", "-np", "2", "--cluster", "2", "--rate", rate,
                        sys.executable, "-c", ALLREDUCE, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "measured" in done.stderr and "no latency is added" in done.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fusionring import run
+from fusionring import launcher as run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,8 @@ def _env() -> dict:
 
 
 def fusionrun(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``python -m fusionring.run ARGS`` from the checkout, with a timeout."""
-    return subprocess.run([sys.executable, "-m", "fusionring.run", *args], cwd=REPO, env=_env(),
+    """Run ``python -m fusionring.launcher ARGS`` from the checkout, with a timeout."""
+    return subprocess.run([sys.executable, "-m", "fusionring.launcher", *args], cwd=REPO, env=_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
 
 
@@ -230,7 +230,7 @@ def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
     mpiexec = fake_mpiexec(MPICH_VERSION)
     env = _env()
     env["FAKE_MPIEXEC_EXIT"] = "7"
-    done = subprocess.run([sys.executable, "-m", "fusionring.run", "--mpiexec", mpiexec, "-np", "1", "true"],
+    done = subprocess.run([sys.executable, "-m", "fusionring.launcher", "--mpiexec", mpiexec, "-np", "1", "true"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 7
 
