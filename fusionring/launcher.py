@@ -38,7 +38,7 @@ UNKNOWN = "unknown"
 
 SLOWDOWN_ENV = "FUSIONRING_SLOWDOWN"
 USAGE = ("usage: fusionrun -np N [--dry-run] [--cluster N --rate RATE] [--slow RANK:FACTOR]... "
-         "[-H HOST:SLOTS,... | --hostfile FILE] [horovodrun tuning options] "
+         "[-H HOST:SLOTS,... | --hostfile FILE] [horovodrun options] "
          "[--mpiexec PATH] [mpiexec options...] [--] PROGRAM [ARGS...]")
 
 
