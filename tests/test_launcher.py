@@ -454,6 +454,8 @@ def test_check_build_and_version_report_and_exit():
 def test_horovodrun_launch_options_in_a_real_run(tmp_path):
     # --tcp makes MPICH use libfabric's TCP provider, which fails MPI_Finalize if the
     # shared-memory window of 2 ranks on 2+ cores were still allocated at exit.
+    if run.detect_flavour(run.find_mpiexec()) != run.MPICH:
+        pytest.skip("checks MPICH's words: its output layout and its libfabric transport")
     script = tmp_path / "t.py"
     script.write_text("import sys, torch, fusionring.torch as hvd\nhvd.init()\n"
                       "print('sum', hvd.allreduce(torch.ones(4), op=hvd.Sum).tolist())\n"
