@@ -415,8 +415,13 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     tensor_compressed, ctx = compression.compress(tensor)
     trace_compression(compression, name, "compress", started)
     if isinstance(tensor_compressed, torch.Tensor):
-        summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op, prescale_factor,
-                                          postscale_factor)
+        if tensor_compressed.requires_grad and torch.is_grad_enabled():
+            summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op,
+                                              prescale_factor, postscale_factor)
+        else:  # nothing to differentiate: skip autograd's bookkeeping (a blocking call's cost)
+            summed = synchronize(allreduce_async(tensor_compressed, name=name, op=reduce_op,
+                                                 prescale_factor=prescale_factor,
+                                                 postscale_factor=postscale_factor))
         started = time.perf_counter()
         result = compression.decompress(summed, ctx)
         trace_compression(compression, name, "decompress", started)
