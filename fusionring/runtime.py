@@ -908,9 +908,10 @@ def init(comm=None) -> Runtime:
 
 
 def close_shared_memory() -> None:
-    """Free the shared-memory windows of runtimes that have shut down, in the order they were
-    made (the same on every rank). Collective: every rank calls it at exit. A window whose
-    peers have gone, or do not arrive within a minute, is left to MPI_Finalize."""
+    """Free the shared-memory windows of runtimes that have shut down, in the order they shut
+    down (the same on every rank: process sets first, then the global runtime). Collective:
+    every rank calls it at exit. A window whose peers have gone, or do not arrive within a
+    minute, is left to MPI_Finalize."""
     while _windows_to_close:
         _windows_to_close.pop(0).close(_SHM_CLOSE_WAIT_S)
 
