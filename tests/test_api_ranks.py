@@ -106,17 +106,22 @@ import torch
 import fusionring.torch as hvd
 hvd.init()
 r, P = hvd.rank(), hvd.size()
-g = torch.Generator().manual_seed(5)
-full = torch.randn(P * 4, 3, 5, generator=g) * 3 + 1
-mine = full[r * 4:(r + 1) * 4].clone().requires_grad_(True)
-bn = hvd.SyncBatchNorm(3)
-with torch.no_grad():
-    bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5])); bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
-out = bn(mine)
-(out * torch.arange(out.numel()).view_as(out).float()[:, :, :] / 100).sum().backward()
-report({"out": out.detach().tolist(), "grad_in": mine.grad.tolist(),
-        "grad_w": hvd.allreduce(bn.weight.grad, op=hvd.Sum).tolist(),
-        "running_mean": bn.running_mean.tolist(), "running_var": bn.running_var.tolist()})
+results = []
+for shape, affine in [((4, 3, 5), True), ((4, 3), True), ((4, 3, 2, 3, 2), False)]:
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(P * shape[0], *shape[1:], generator=g) * 3 + 1
+    mine = full[r * shape[0]:(r + 1) * shape[0]].clone().requires_grad_(True)
+    bn = hvd.SyncBatchNorm(3, affine=affine)
+    if affine:
+        with torch.no_grad():
+            bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5])); bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+    out = bn(mine)
+    (out * torch.arange(out.numel()).view_as(out).float() / 100).sum().backward()
+    results.append({"out": out.detach().tolist(), "grad_in": mine.grad.tolist(),
+                    "grad_w": hvd.allreduce(bn.weight.grad, op=hvd.Sum).tolist() if affine else None,
+                    "grad_b": hvd.allreduce(bn.bias.grad, op=hvd.Sum).tolist() if affine else None,
+                    "running_mean": bn.running_mean.tolist(), "running_var": bn.running_var.tolist()})
+report(results)
 '''
 
 
@@ -125,20 +130,28 @@ def test_sync_batch_norm_equals_batch_norm_on_the_global_batch(tmp_path):
 
     P = 3
     results = run_ranks(P, SYNC_BN, tmp_path, timeout=60)
-    g = torch.Generator().manual_seed(5)
-    full = (torch.randn(P * 4, 3, 5, generator=g) * 3 + 1).requires_grad_(True)
-    bn = torch.nn.BatchNorm1d(3)
-    with torch.no_grad():
-        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5])); bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
-    out = bn(full)
-    weights = torch.cat([torch.arange(60).view(4, 3, 5).float() / 100] * P)
-    (out * weights).sum().backward()
-    for r, res in enumerate(results):
-        assert torch.allclose(torch.tensor(res["out"]), out[r * 4:(r + 1) * 4], atol=1e-5)
-        assert torch.allclose(torch.tensor(res["grad_in"]), full.grad[r * 4:(r + 1) * 4], atol=1e-5)
-        assert torch.allclose(torch.tensor(res["grad_w"]), bn.weight.grad, atol=1e-4)
-        assert torch.allclose(torch.tensor(res["running_mean"]), bn.running_mean, atol=1e-5)
-        assert torch.allclose(torch.tensor(res["running_var"]), bn.running_var, atol=1e-5)
+    cases = [((4, 3, 5), True), ((4, 3), True), ((4, 3, 2, 3, 2), False)]
+    for case, (shape, affine) in enumerate(cases):
+        g = torch.Generator().manual_seed(5)
+        full = (torch.randn(P * shape[0], *shape[1:], generator=g) * 3 + 1).requires_grad_(True)
+        bn = torch.nn.BatchNorm1d(3, affine=affine)
+        if affine:
+            with torch.no_grad():
+                bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+                bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+        bn._check_input_dim = lambda x: None  # the reference also takes the 5-D case
+        out = bn(full)
+        weights = torch.cat([torch.arange(out.numel() // P).view(shape).float() / 100] * P)
+        (out * weights).sum().backward()
+        for r, got in enumerate(result[case] for result in results):
+            part = slice(r * shape[0], (r + 1) * shape[0])
+            assert torch.allclose(torch.tensor(got["out"]), out[part], atol=1e-5)
+            assert torch.allclose(torch.tensor(got["grad_in"]), full.grad[part], atol=1e-5)
+            if affine:
+                assert torch.allclose(torch.tensor(got["grad_w"]), bn.weight.grad, atol=1e-4)
+                assert torch.allclose(torch.tensor(got["grad_b"]), bn.bias.grad, atol=1e-4)
+            assert torch.allclose(torch.tensor(got["running_mean"]), bn.running_mean, atol=1e-5)
+            assert torch.allclose(torch.tensor(got["running_var"]), bn.running_var, atol=1e-5)
 
 
 IDLE = r'''
