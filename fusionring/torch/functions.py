@@ -379,6 +379,12 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
     return _register(_submit([request]), _finish_into([tensor], single=True))
 
 
+def _needs_grad(tensor: torch.Tensor) -> bool:
+    """Whether a blocking collective must go through its autograd function: without a
+    gradient to carry, autograd's bookkeeping is only cost (about 15 us a call)."""
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
 @_keeps_runtime
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
@@ -415,10 +421,10 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     tensor_compressed, ctx = compression.compress(tensor)
     trace_compression(compression, name, "compress", started)
     if isinstance(tensor_compressed, torch.Tensor):
-        if tensor_compressed.requires_grad and torch.is_grad_enabled():
+        if _needs_grad(tensor_compressed):
             summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op,
                                               prescale_factor, postscale_factor)
-        else:  # nothing to differentiate: skip autograd's bookkeeping (a blocking call's cost)
+        else:
             summed = synchronize(allreduce_async(tensor_compressed, name=name, op=reduce_op,
                                                  prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor))
@@ -611,6 +617,8 @@ class _AllgatherFunction(torch.autograd.Function):
 @_routed
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dim 0 (differentiable)."""
+    if not _needs_grad(tensor):
+        return synchronize(allgather_async(tensor, name=name))
     return _AllgatherFunction.apply(tensor, name)
 
 
@@ -935,6 +943,8 @@ class _BroadcastFunction(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set=None) -> torch.Tensor:
     """Return root's `tensor` on every rank (differentiable)."""
+    if not _needs_grad(tensor):
+        return synchronize(broadcast_async(tensor, root_rank, name))
     return _BroadcastFunction.apply(tensor, root_rank, name)
 
 
