@@ -57,12 +57,21 @@ try:
 except ValueError as exc:
     out["allreduce_before_init"] = str(exc)
 hvd.init()
-h = hvd.allreduce_async(torch.ones(2), name="dup")
-try:
-    hvd.allreduce_async(torch.ones(2), name="dup")
-except ValueError as exc:
-    out["in_flight"] = str(exc)
-out["first_still_works"] = hvd.synchronize(h).tolist()
+from mpi4py import MPI
+# The name must still be in flight when it is submitted again: one rank at a time tries it,
+# while the other holds its own submission back, so the first cannot complete meanwhile.
+for late in (1, 0):
+    if hvd.rank() != late:
+        h = hvd.allreduce_async(torch.ones(2), name="dup")
+        try:
+            hvd.allreduce_async(torch.ones(2), name="dup")
+        except ValueError as exc:
+            out["in_flight"] = str(exc)
+        MPI.COMM_WORLD.Barrier()
+    else:
+        MPI.COMM_WORLD.Barrier()
+        h = hvd.allreduce_async(torch.ones(2), name="dup")
+    out["first_still_works"] = hvd.synchronize(h).tolist()
 out["reuse_after_done"] = hvd.allreduce(torch.ones(2), name="dup").tolist()
 for dtype in (torch.complex64, torch.bool):
     try:
