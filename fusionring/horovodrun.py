@@ -20,9 +20,6 @@ import shlex
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-MPICH = "mpich"
-OPEN_MPI = "openmpi"
-
 
 def _mib_to_bytes(value: str) -> str:
     return str(int(float(value) * 1024 * 1024))
@@ -173,15 +170,15 @@ def ssh_wrapper_path(ssh_args: List[str]) -> str:
     return str(cache / f"ssh-{digest}")
 
 
-def translate(options: LaunchOptions, flavour: str, num_ranks: int) -> Translation:
-    """Put the launch options in the words of `flavour`'s mpiexec."""
+def translate(options: LaunchOptions, open_mpi: bool, num_ranks: int) -> Translation:
+    """Put the launch options in the words of Open MPI's mpiexec, or else Hydra's (MPICH)."""
     out = Translation()
     ssh_args: List[str] = []
     if options.ssh_port is not None:
         ssh_args += ["-p", str(options.ssh_port)]
     if options.ssh_identity_file:
         ssh_args += ["-i", options.ssh_identity_file]
-    if flavour == OPEN_MPI:
+    if open_mpi:
         if ssh_args:
             out.words += ["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in ssh_args)]
         if options.nics:

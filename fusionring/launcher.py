@@ -419,8 +419,8 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
             argv += (["--hostfile", request.hostfile] if request.hostfile else ["-H", request.hosts])
         else:
             argv += ["-hosts", request.hosts]
-    translation = horovodrun.translate(request.launch_options,
-                                       OPEN_MPI if flavour == OPEN_MPI else MPICH, request.num_ranks)
+    translation = horovodrun.translate(request.launch_options, flavour == OPEN_MPI,
+                                       request.num_ranks)
     argv += translation.words
     rank_env = {**request.rank_env, **translation.env}
     env.update(rank_env)

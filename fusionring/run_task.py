@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .runner import TOKEN_ENV, pickler, receive_message, send_message
 
@@ -20,7 +20,7 @@ def _connect(address: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=300)
 
 
-def _request(address: str, header: dict, body: bytes = None) -> bytes:
+def _request(address: str, header: dict, body: Optional[bytes] = None) -> bytes:
     with _connect(address) as sock:
         send_message(sock, json.dumps(header).encode())
         if body is not None:
