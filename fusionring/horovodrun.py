@@ -8,8 +8,11 @@ A Horovod launch line works with only its first word changed. Each of horovodrun
 - an option for a part of Horovod that fusionring does not have (:data:`NO_EFFECT`: autotuning,
   hierarchical allreduce, NCCL streams, ...): accepted, with one line on stderr saying why it
   changes nothing, so the job still runs;
-- an option whose meaning cannot be kept (:data:`REFUSED`: elastic launches, Gloo, jsrun, YAML
-  config files): the launch stops with the reason before anything starts.
+- an option whose meaning cannot be kept (:data:`REFUSED`: elastic launches, Gloo, jsrun): the
+  launch stops with the reason before anything starts.
+
+``--config-file FILE`` reads horovodrun's YAML configuration: :func:`config_file_options` turns
+its settings into the options above, which options on the command line then override.
 """
 from __future__ import annotations
 
@@ -97,14 +100,113 @@ REFUSED: Dict[str, Tuple[int, str]] = {
     "--gloo": (0, "fusionring's ranks are MPI processes started by mpiexec; drop --gloo"),
     "--jsrun": (0, "fusionrun starts the ranks with mpiexec; drop --jsrun, or start the script "
                    "with jsrun yourself (every rank is an MPI process)"),
-    "--config-file": (1, "fusionrun does not read horovodrun's YAML configuration files; give "
-                         "its settings as options (fusionrun --help lists them)"),
     "--min-np": (1, _ELASTIC), "--min-num-proc": (1, _ELASTIC),
     "--max-np": (1, _ELASTIC), "--max-num-proc": (1, _ELASTIC),
     "--slots-per-host": (1, _ELASTIC), "--elastic-timeout": (1, _ELASTIC),
     "--reset-limit": (1, _ELASTIC), "--blacklist-cooldown-range": (2, _ELASTIC),
     "--host-discovery-script": (1, _ELASTIC),
 }
+
+
+# horovodrun's configuration file: section -> key -> the option it stands for. A value option takes
+# the key's value; a switch option maps true and false to the switch for each (None: no switch).
+_CONFIG_VALUES: Dict[str, Dict[str, str]] = {
+    "params": {"fusion_threshold_mb": "--fusion-threshold-mb", "cycle_time_ms": "--cycle-time-ms",
+               "cache_capacity": "--cache-capacity"},
+    "timeline": {"filename": "--timeline-filename"},
+    "stall_check": {"warning_time_seconds": "--stall-check-warning-time-seconds",
+                    "shutdown_time_seconds": "--stall-check-shutdown-time-seconds"},
+    "library_options": {"num_nccl_streams": "--num-nccl-streams",
+                        "ccl_bgt_affinity": "--thread-affinity",
+                        "gloo_timeout_seconds": "--gloo-timeout-seconds"},
+    "logging": {"level": "--log-level"},
+}
+_CONFIG_SWITCHES: Dict[str, Dict[str, Tuple[Optional[str], Optional[str]]]] = {
+    "params": {"hierarchical_allreduce": ("--hierarchical-allreduce", None),
+               "hierarchical_allgather": ("--hierarchical-allgather", None)},
+    "autotune": {"enabled": ("--autotune", None)},
+    "timeline": {"mark_cycles": ("--timeline-mark-cycles", None)},
+    "stall_check": {"enabled": (None, "--no-stall-check")},
+    "library_options": {"mpi_threads_disable": ("--mpi-threads-disable", None)},
+    "logging": {"with_timestamp": ("--log-with-timestamp", None), "hide_timestamp": (None, None)},
+}
+# Settings whose value is text; the others are numbers.
+_CONFIG_TEXT_KEYS = ("filename", "level")
+# Autotuning's own settings: they matter only when it is enabled, and then its note covers them.
+_CONFIG_AUTOTUNE_KEYS = ("log_file", "warmup_samples", "steps_per_sample", "bayes_opt_max_samples",
+                         "gaussian_process_noise")
+
+
+def config_file_options(path: str) -> Tuple[List[str], List[str]]:
+    """horovodrun's YAML configuration file as (options, notes).
+
+    The options are horovodrun's own (``--cycle-time-ms 10``, ``--no-stall-check``, ...), to be
+    read before the command line's so that the command line overrides the file, as in horovodrun.
+    Keys horovodrun does not know are left out with a note. Raises ValueError naming the file and
+    the key for a file that cannot be read or a value of the wrong kind.
+    """
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml is a dependency
+        raise ValueError("--config-file needs PyYAML: pip install pyyaml") from None
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--config-file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config-file {path} is not valid YAML: {exc}") from None
+    if config is None:
+        return [], []
+    if not isinstance(config, dict):
+        raise ValueError(f"--config-file {path}: expected sections (params:, timeline:, ...) at the "
+                         f"top, got {type(config).__name__}")
+    options: List[str] = []
+    notes: List[str] = []
+    for section, body in config.items():
+        where = f"--config-file {path}: {section}"
+        if section == "controller":
+            if str(body).lower() == "gloo":
+                raise ValueError(f"{where}: gloo: fusionring's ranks are MPI processes started by "
+                                 f"mpiexec; set controller: mpi")
+            if str(body).lower() != "mpi":
+                raise ValueError(f"{where}: expected mpi or gloo, got {body!r}")
+            continue
+        values, switches = _CONFIG_VALUES.get(section), _CONFIG_SWITCHES.get(section)
+        if values is None and switches is None:
+            notes.append(f"ignoring {section} in {path}: horovodrun has no such section")
+            continue
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ValueError(f"{where}: expected keys under it, got {body!r}")
+        stall_check_off = section == "stall_check" and body.get("enabled") is False
+        for key, value in body.items():
+            if value is None or (stall_check_off and key != "enabled"):
+                continue  # a disabled stall check has no times, as in horovodrun
+            if values and key in values:
+                if key in _CONFIG_TEXT_KEYS:
+                    if not isinstance(value, str):
+                        raise ValueError(f"{where}.{key}: expected text, got {value!r}")
+                elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(f"{where}.{key}: expected a number >= 0, got {value!r}")
+                given = [values[key], str(value)]
+            elif switches and key in switches:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{where}.{key}: expected true or false, got {value!r}")
+                switch = switches[key][0 if value else 1]
+                given = [switch] if switch else []
+            elif section == "autotune" and key in _CONFIG_AUTOTUNE_KEYS:
+                continue
+            else:
+                notes.append(f"ignoring {section}.{key} in {path}: horovodrun has no such setting")
+                continue
+            if given and given[0] in NO_EFFECT:  # said here, in the file's words
+                why = NO_EFFECT[given[0]][1]
+                if why:
+                    notes.append(f"ignoring {section}.{key} in {path}: {why}")
+            else:
+                options += given
+    return options, notes
 
 
 @dataclasses.dataclass

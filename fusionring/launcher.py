@@ -185,8 +185,29 @@ def _positive_int(value: str, name: str) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> LaunchRequest:
-    """Split a ``fusionrun`` command line into its own options, mpiexec's options and the program."""
+    """Split a ``fusionrun`` command line into its own options, mpiexec's options and the program.
+
+    horovodrun's ``--config-file FILE`` is read first: its settings become options placed before
+    the command line's, so that an option given on the command line wins, as in horovodrun.
+    """
+    request, config_file = _parse(argv)
+    if config_file is None:
+        return request
+    path, start, end = config_file
+    try:
+        options, notes = horovodrun.config_file_options(path)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    request, _ = _parse(options + list(argv[:start]) + list(argv[end:]))
+    request.notes[:0] = notes
+    return request
+
+
+def _parse(argv: Sequence[str]) -> Tuple[LaunchRequest, Optional[Tuple[str, int, int]]]:
+    """parse_args without reading the configuration file: the request, and the file's path with
+    where ``--config-file FILE`` stands in ``argv`` (start, end), if it does."""
     request = LaunchRequest()
+    config_file: Optional[Tuple[str, int, int]] = None
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -249,6 +270,12 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
                 request.notes.append(f"ignoring horovodrun's {name}: {why}")
         elif name in horovodrun.REFUSED:
             raise LaunchError(f"{name}: {horovodrun.REFUSED[name][1]}")
+        elif name == "--config-file":
+            if config_file is not None:
+                raise LaunchError("--config-file given twice")
+            start = i
+            path, i = _take_value(argv, i, name, inline)
+            config_file = (path, start, i)
         elif name in ("-cb", "--check-build"):
             print(horovodrun.check_build())
             raise SystemExit(0)
@@ -264,8 +291,9 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
                 raise LaunchError(f"mpiexec option {name} needs {arity} value(s)")
             request.mpiexec_options.extend(argv[i:i + 1 + arity])
             i += 1 + arity
-    _validate(request)
-    return request
+    if config_file is None:
+        _validate(request)
+    return request, config_file
 
 
 def _skip_values(argv: Sequence[str], i: int, name: str, inline: Optional[str], arity: int) -> int:
@@ -379,10 +407,11 @@ def _print_help() -> int:
           "  --tcp                        TCP between hosts, no fabrics\n"
           "  --prefix-output-with-timestamp  Open MPI's --timestamp-output (MPICH has none)\n"
           "  --verbose                    print the mpiexec command before running it\n"
+          "  --config-file FILE           horovodrun's YAML settings (the command line wins)\n"
           "  -cb/--check-build, -v/--version   report and exit\n"
           "  --mpi, --disable-cache and options for parts fusionring lacks (autotuning,\n"
           "  hierarchical allreduce, NCCL streams, log levels, ...) are accepted with a note;\n"
-          "  --gloo, --jsrun, --config-file and elastic options stop the launch with the reason.")
+          "  --gloo, --jsrun and elastic options stop the launch with the reason.")
     return 0
 
 

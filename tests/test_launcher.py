@@ -429,7 +429,6 @@ def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpie
 @pytest.mark.parametrize("option, message", [
     (["--gloo"], "MPI processes started by mpiexec"),
     (["--jsrun"], "drop --jsrun"),
-    (["--config-file", "hvd.yaml"], "YAML"),
     (["--min-np", "2", "--max-np", "4"], "elastic launches are not supported"),
     (["--host-discovery-script", "d.sh"], "elastic launches are not supported"),
     (["-p", "ssh"], "needs a port number"),
@@ -439,6 +438,92 @@ def test_horovodrun_options_whose_meaning_cannot_be_kept_stop_the_launch(fake_mp
     done = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", "-np", "2", *option,
                      "python", "t.py")
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+HOROVOD_CONFIG = """\
+controller: mpi
+params:
+  fusion_threshold_mb: 32
+  cycle_time_ms: 10
+  cache_capacity: 2048
+  hierarchical_allreduce: true
+  hierarchical_allgather: false
+autotune:
+  enabled: true
+  log_file: autotune.csv
+  warmup_samples: 5
+timeline:
+  filename: timeline.json
+  mark_cycles: true
+stall_check:
+  enabled: true
+  warning_time_seconds: 120
+  shutdown_time_seconds: 240
+library_options:
+  mpi_threads_disable: true
+  num_nccl_streams: 2
+logging:
+  level: INFO
+  hide_timestamp: true
+"""
+
+
+def test_a_horovodrun_config_file_sets_what_its_options_would(fake_mpiexec, tmp_path):
+    config = tmp_path / "hvd.yaml"
+    config.write_text(HOROVOD_CONFIG)
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "--dry-run", "--config-file", str(config), "-np", "2",
+                     "python", "t.py")
+    assert done.returncode == 0, done.stderr
+    words = shlex.split(done.stdout.strip())
+    assert words == ["FUSIONRING_FUSION_THRESHOLD=33554432", "FUSIONRING_CYCLE_TIME_MS=10.0",
+                     "FUSIONRING_TIMELINE=timeline.json", "FUSIONRING_TIMELINE_MARK_CYCLES=1",
+                     "FUSIONRING_STALL_WARNING_S=120.0", "FUSIONRING_STALL_SHUTDOWN_S=240.0",
+                     mpich, "-n", "2", "python", "t.py"]
+    # One note per setting that changes nothing, in the file's own words; none for false
+    # switches, autotuning's own settings or hide_timestamp.
+    notes = [line.split(": ", 1)[1] for line in done.stderr.splitlines()]
+    assert [note.split(" in ")[0] for note in notes] == [
+        "ignoring params.cache_capacity", "ignoring params.hierarchical_allreduce",
+        "ignoring autotune.enabled", "ignoring library_options.mpi_threads_disable",
+        "ignoring library_options.num_nccl_streams", "ignoring logging.level"]
+    assert all(f" in {config}: " in note for note in notes)
+
+
+def test_the_command_line_overrides_the_config_file(fake_mpiexec, tmp_path):
+    config = tmp_path / "hvd.yaml"
+    config.write_text("params:\n  cycle_time_ms: 10\n  fusion_threshold_mb: 8\n"
+                      "stall_check:\n  enabled: false\n  warning_time_seconds: 5\n"
+                      "extra:\n  a: 1\ntimeline:\n  typo: 1\n")
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "--dry-run", "-np", "2", "--cycle-time-ms", "3",
+                     f"--config-file={config}", "python", "t.py")
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout.strip())[:4] == [
+        "FUSIONRING_CYCLE_TIME_MS=3.0", "FUSIONRING_FUSION_THRESHOLD=8388608",
+        "FUSIONRING_STALL_WARNING_S=0", "FUSIONRING_STALL_SHUTDOWN_S=0"]
+    assert f"ignoring extra in {config}: horovodrun has no such section" in done.stderr
+    assert f"ignoring timeline.typo in {config}: horovodrun has no such setting" in done.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("controller: gloo\n", "set controller: mpi"),
+    ("params:\n  cycle_time_ms: fast\n", "params.cycle_time_ms: expected a number >= 0, got 'fast'"),
+    ("params:\n  fusion_threshold_mb: -1\n", "params.fusion_threshold_mb: expected a number >= 0"),
+    ("timeline:\n  mark_cycles: sometimes\n", "timeline.mark_cycles: expected true or false"),
+    ("params: [1, 2]\n", "params: expected keys under it"),
+    ("- a\n", "expected sections"),
+    ("params: {a: [\n", "is not valid YAML"),
+])
+def test_a_config_file_that_cannot_be_used_stops_the_launch(fake_mpiexec, tmp_path, text, message):
+    config = tmp_path / "hvd.yaml"
+    config.write_text(text)
+    done = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", "-np", "2",
+                     "--config-file", str(config), "python", "t.py")
+    assert done.returncode == 2 and message in done.stderr and str(config) in done.stderr, done.stderr
+    missing = fusionrun("--mpiexec", fake_mpiexec(MPICH_VERSION), "--dry-run", "-np", "2",
+                        "--config-file", str(tmp_path / "none.yaml"), "python", "t.py")
+    assert missing.returncode == 2 and "No such file" in missing.stderr
 
 
 def test_check_build_and_version_report_and_exit():
