@@ -1,5 +1,7 @@
 #include "adasum.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -25,8 +27,61 @@ void group_sum(double* values, int n, int levels, Transport& t) {
   t.wait_all();  // every request has completed; this empties the transport's table
 }
 
+// One level's arithmetic on the stored type: the dot products a.b, |a|^2, |b|^2 of this
+// rank's piece (accumulated in double), and the combination written over the piece.
 template <typename T>
-void adasum_typed(T* v, std::size_t count, Transport& t) {
+struct NativeKernel {
+  using Stored = T;
+
+  void dots(const T* a, const T* b, std::size_t n, double sums[3]) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      const double x = a[i], y = b[i];
+      sums[0] += x * y;
+      sums[1] += x * x;
+      sums[2] += y * y;
+    }
+  }
+
+  void combine(T* out, const T* a, const T* b, std::size_t n, double ac, double bc) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      out[i] = static_cast<T>(ac * static_cast<double>(a[i]) + bc * static_cast<double>(b[i]));
+    }
+  }
+};
+
+// 16-bit floats travel as they are, so the tree moves half the bytes of float32. The
+// arithmetic widens a block at a time to float32 and rounds the combination back once.
+struct Float16Kernel {
+  using Stored = std::uint16_t;
+  static constexpr std::size_t kBlock = 2048;
+  DType dtype;
+
+  void dots(const std::uint16_t* a, const std::uint16_t* b, std::size_t n, double sums[3]) const {
+    float x[kBlock], y[kBlock];
+    for (std::size_t base = 0; base < n; base += kBlock) {
+      const std::size_t m = std::min(kBlock, n - base);
+      widen_to_float(a + base, x, m, dtype);
+      widen_to_float(b + base, y, m, dtype);
+      NativeKernel<float>{}.dots(x, y, m, sums);
+    }
+  }
+
+  void combine(std::uint16_t* out, const std::uint16_t* a, const std::uint16_t* b, std::size_t n,
+               double ac, double bc) const {
+    float x[kBlock], y[kBlock];
+    for (std::size_t base = 0; base < n; base += kBlock) {
+      const std::size_t m = std::min(kBlock, n - base);
+      widen_to_float(a + base, x, m, dtype);
+      widen_to_float(b + base, y, m, dtype);
+      NativeKernel<float>{}.combine(x, x, y, m, ac, bc);  // out may be a or b: read first
+      narrow_from_float(x, out + base, m, dtype);
+    }
+  }
+};
+
+template <typename Kernel>
+void adasum_tree(typename Kernel::Stored* v, std::size_t count, Transport& t, const Kernel& kernel) {
+  using T = typename Kernel::Stored;
   const int P = t.size();
   const int r = t.rank();
   int levels = 0;
@@ -47,20 +102,12 @@ void adasum_typed(T* v, std::size_t count, Transport& t) {
     const T* a = lower ? v + mine.lo : received.data();
     const T* b = lower ? received.data() : v + mine.lo;
     double sums[3] = {0.0, 0.0, 0.0};  // a.b, |a|^2, |b|^2 over this rank's piece
-    for (std::size_t i = 0; i < n; ++i) {
-      const double x = a[i], y = b[i];
-      sums[0] += x * y;
-      sums[1] += x * x;
-      sums[2] += y * y;
-    }
+    kernel.dots(a, b, n, sums);
     // The pieces of the 2^(d+1) ranks combined at this level tile the whole vector.
     group_sum(sums, 3, d + 1, t);
     const double ac = sums[1] >= 1e-8 ? 1.0 - sums[0] / (2.0 * sums[1]) : 1.0;
     const double bc = sums[2] >= 1e-8 ? 1.0 - sums[0] / (2.0 * sums[2]) : 1.0;
-    T* out = v + mine.lo;
-    for (std::size_t i = 0; i < n; ++i) {
-      out[i] = static_cast<T>(ac * static_cast<double>(a[i]) + bc * static_cast<double>(b[i]));
-    }
+    kernel.combine(v + mine.lo, a, b, n, ac, bc);
     kept[d] = mine;
     seg = mine;
   }
@@ -87,24 +134,21 @@ void adasum_allreduce(void* buf, std::size_t count, DType dtype, Transport& t,
     throw InvalidArgument("Adasum needs a power-of-two number of ranks, not " +
                           std::to_string(P));
   }
-  auto scaled = [&](auto* v, DType type) {
-    scale_in_place(v, count, type, o.prescale);
-    if (P > 1) adasum_typed(v, count, t);
-    scale_in_place(v, count, type, o.postscale);
+  auto scaled = [&](auto* v, const auto& kernel) {
+    scale_in_place(v, count, dtype, o.prescale);
+    if (P > 1) adasum_tree(v, count, t, kernel);
+    scale_in_place(v, count, dtype, o.postscale);
   };
-  if (dtype == DType::kFloat64) return scaled(static_cast<double*>(buf), dtype);
-  if (dtype == DType::kFloat32) return scaled(static_cast<float*>(buf), dtype);
-  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-    throw InvalidArgument(std::string("Adasum needs a floating-point buffer, not ") +
-                          dtype_name(dtype));
+  switch (dtype) {
+    case DType::kFloat64: return scaled(static_cast<double*>(buf), NativeKernel<double>{});
+    case DType::kFloat32: return scaled(static_cast<float*>(buf), NativeKernel<float>{});
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return scaled(static_cast<std::uint16_t*>(buf), Float16Kernel{dtype});
+    default:
+      throw InvalidArgument(std::string("Adasum needs a floating-point buffer, not ") +
+                            dtype_name(dtype));
   }
-  // 16-bit floats are combined in float32 and rounded back once.
-  const bool half = dtype == DType::kFloat16;
-  auto* h = static_cast<std::uint16_t*>(buf);
-  std::vector<float> wide(count);
-  for (std::size_t i = 0; i < count; ++i) wide[i] = half ? half_to_float(h[i]) : bf16_to_float(h[i]);
-  scaled(wide.data(), DType::kFloat32);
-  for (std::size_t i = 0; i < count; ++i) h[i] = half ? float_to_half(wide[i]) : float_to_bf16(wide[i]);
 }
 
 }  // namespace fusionring

@@ -17,7 +17,8 @@ struct AdasumOptions {
 // In place: every rank ends with the same tree combination of all ranks' vectors, pairs
 // at distance 1, 2, 4, ... each combined as (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
 // (a coefficient is 1 when its vector's squared norm is below 1e-8; a is the lower
-// ranks' side). Dot products accumulate in double. Floating-point dtypes only; the
+// ranks' side). Dot products accumulate in double; 16-bit floats travel as they are and
+// each level's result is rounded to them. Floating-point dtypes only; the
 // number of ranks must be a power of two. Each level sends half the data of the one
 // before, so a rank sends about 2 (P-1)/P of the vector in all.
 void adasum_allreduce(void* buf, std::size_t count, DType dtype, Transport& transport,

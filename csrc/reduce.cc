@@ -87,6 +87,27 @@ __attribute__((target("avx,f16c"))) void scale_half_f16c(std::uint16_t* __restri
   for (; i < n; ++i) buf[i] = float_to_half(half_to_float(buf[i]) * factor);
 }
 
+__attribute__((target("avx,f16c"))) void widen_half_f16c(const std::uint16_t* __restrict src,
+                                                          float* __restrict dst, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+__attribute__((target("avx,f16c"))) void narrow_half_f16c(const float* __restrict src,
+                                                           std::uint16_t* __restrict dst,
+                                                           std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
 bool cpu_has_f16c() {
   static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return has;
@@ -228,6 +249,30 @@ void scale_in_place(void* buf, std::size_t count, DType dtype, double factor) {
                                                       static_cast<float>(factor));
   }
   throw InvalidArgument("unknown dtype");
+}
+
+void widen_to_float(const std::uint16_t* src, float* dst, std::size_t count, DType dtype) {
+  if (dtype == DType::kBFloat16) {
+    for (std::size_t i = 0; i < count; ++i) dst[i] = bf16_to_float(src[i]);
+    return;
+  }
+  if (dtype != DType::kFloat16) throw InvalidArgument("widen_to_float: not a 16-bit float dtype");
+#ifdef FUSIONRING_X86
+  if (cpu_has_f16c()) return widen_half_f16c(src, dst, count);
+#endif
+  for (std::size_t i = 0; i < count; ++i) dst[i] = half_to_float(src[i]);
+}
+
+void narrow_from_float(const float* src, std::uint16_t* dst, std::size_t count, DType dtype) {
+  if (dtype == DType::kBFloat16) {
+    for (std::size_t i = 0; i < count; ++i) dst[i] = float_to_bf16(src[i]);
+    return;
+  }
+  if (dtype != DType::kFloat16) throw InvalidArgument("narrow_from_float: not a 16-bit float dtype");
+#ifdef FUSIONRING_X86
+  if (cpu_has_f16c()) return narrow_half_f16c(src, dst, count);
+#endif
+  for (std::size_t i = 0; i < count; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace fusionring

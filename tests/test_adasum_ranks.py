@@ -14,11 +14,15 @@ def adasum_pair(a, b):
     return ca * a + cb * b
 
 
-def adasum_tree(vectors):
-    """Pairs (0, 1), (2, 3), ... first, then pairs of those results, and so on."""
+def adasum_tree(vectors, stored=None):
+    """Pairs (0, 1), (2, 3), ... first, then pairs of those results, and so on. With
+    `stored` (a numpy dtype), every level's result is rounded to it, as a buffer of that
+    dtype holds it between levels."""
     level = [np.asarray(v, dtype=np.float64) for v in vectors]
     while len(level) > 1:
         level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        if stored is not None:
+            level = [v.astype(stored).astype(np.float64) for v in level]
     return level[0]
 
 
@@ -41,6 +45,9 @@ if P & (P - 1) == 0:
                                op=hvd.Adasum, name="f32").flatten().tolist()
     out["f16"] = hvd.allreduce(torch.tensor(vec(64, 3), dtype=torch.float16), op=hvd.Adasum,
                                name="f16").float().tolist()
+    # Long enough for several of the 16-bit kernel's blocks, with a tail of odd length.
+    out["f16 long"] = hvd.allreduce(torch.tensor(vec(9001, 9), dtype=torch.float16),
+                                    op=hvd.Adasum, name="f16 long").float().tolist()
     grouped = hvd.grouped_allreduce([torch.tensor(vec(50, 4)), torch.tensor(vec(7, 5))],
                                     op=hvd.Adasum, name="grp")
     out["grouped"] = [g.tolist() for g in grouped]
@@ -71,7 +78,7 @@ report(out)
 def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
     results = run_ranks(np_, ALLREDUCE, tmp_path, timeout=90)
     for out in results:
-        for key in ("f64", "f32", "f16", "bf16", "grouped", "scaled", "tiny"):
+        for key in ("f64", "f32", "f16", "f16 long", "bf16", "grouped", "scaled", "tiny"):
             assert out[key] == results[0][key], key  # bitwise identical on every rank
     ref = lambda n, seed: adasum_tree([rank_vector(r, n, seed) for r in range(np_)])  # noqa: E731
     out = results[0]
@@ -80,6 +87,13 @@ def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
     np.testing.assert_allclose(out["f32"], adasum_tree(f32_inputs), rtol=1e-5, atol=1e-5)
     f16_inputs = [np.float16(rank_vector(r, 64, 3)).astype(np.float64) for r in range(np_)]
     np.testing.assert_allclose(out["f16"], adasum_tree(f16_inputs), rtol=2e-3, atol=2e-3)
+    # (torch rounds float64 to float16 through float32, as the ranks' inputs were made)
+    f16_long = [torch.tensor(rank_vector(r, 9001, 9), dtype=torch.float16).double().numpy()
+                for r in range(np_)]
+    # float16 travels as float16, so each level's result is rounded to it (to within the
+    # rounding of float64 -> float32 -> float16: one unit in the last place).
+    np.testing.assert_allclose(out["f16 long"], adasum_tree(f16_long, np.float16), rtol=1e-3,
+                               atol=1e-4)
     np.testing.assert_allclose(out["grouped"][0], ref(50, 4), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(out["grouped"][1], ref(7, 5), rtol=1e-12, atol=1e-12)
     # prescale applies to every input, postscale to the result.
