@@ -1,6 +1,7 @@
 #include "adasum.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -25,6 +26,15 @@ void group_sum(double* values, int n, int levels, Transport& t) {
     for (int i = 0; i < n; ++i) values[i] += theirs[i];
   }
   t.wait_all();  // every request has completed; this empties the transport's table
+}
+
+// 1 - a.b / 2|a|^2, or 1 when a is zero. No threshold on the norm: the combination is
+// scale-free (parallel vectors average, orthogonal ones add, however small they are), and
+// optimizer deltas and small layers' gradients often have squared norms far below 1e-8.
+double coefficient(double dot, double normsq) {
+  if (!(normsq > 0.0)) return 1.0;
+  const double c = 1.0 - dot / (2.0 * normsq);
+  return std::isfinite(c) ? c : 1.0;  // |b|/|a| beyond double's range: a adds nothing
 }
 
 // One level's arithmetic on the stored type: the dot products a.b, |a|^2, |b|^2 of this
@@ -105,8 +115,8 @@ void adasum_tree(typename Kernel::Stored* v, std::size_t count, Transport& t, co
     kernel.dots(a, b, n, sums);
     // The pieces of the 2^(d+1) ranks combined at this level tile the whole vector.
     group_sum(sums, 3, d + 1, t);
-    const double ac = sums[1] >= 1e-8 ? 1.0 - sums[0] / (2.0 * sums[1]) : 1.0;
-    const double bc = sums[2] >= 1e-8 ? 1.0 - sums[0] / (2.0 * sums[2]) : 1.0;
+    const double ac = coefficient(sums[0], sums[1]);
+    const double bc = coefficient(sums[0], sums[2]);
     kernel.combine(v + mine.lo, a, b, n, ac, bc);
     kept[d] = mine;
     seg = mine;

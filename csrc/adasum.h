@@ -16,7 +16,7 @@ struct AdasumOptions {
 
 // In place: every rank ends with the same tree combination of all ranks' vectors, pairs
 // at distance 1, 2, 4, ... each combined as (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
-// (a coefficient is 1 when its vector's squared norm is below 1e-8; a is the lower
+// (a coefficient is 1 when its vector is zero, whatever the scale otherwise; a is the lower
 // ranks' side). Dot products accumulate in double; 16-bit floats travel as they are and
 // each level's result is rounded to them. Floating-point dtypes only; the
 // number of ranks must be a power of two. Each level sends half the data of the one

@@ -7,10 +7,10 @@ from conftest import run_ranks
 
 
 def adasum_pair(a, b):
-    """Horovod's combination of two vectors, in float64."""
+    """The Adasum combination of two vectors, in float64."""
     dot, na, nb = a @ b, a @ a, b @ b
-    ca = 1.0 - dot / (2 * na) if na >= 1e-8 else 1.0
-    cb = 1.0 - dot / (2 * nb) if nb >= 1e-8 else 1.0
+    ca = 1.0 - dot / (2 * na) if na > 0 else 1.0
+    cb = 1.0 - dot / (2 * nb) if nb > 0 else 1.0
     return ca * a + cb * b
 
 
@@ -60,6 +60,12 @@ if P & (P - 1) == 0:
                                  name=f"tiny{n}").tolist() for n in (1, 2, 3)]
     out["bf16"] = hvd.allreduce(torch.tensor(vec(40, 8), dtype=torch.bfloat16), op=hvd.Adasum,
                                 name="bf16").float().tolist()
+    # Parallel vectors average, however small or unlike in scale (no threshold on norms).
+    base = np.random.default_rng(1000).standard_normal(64)  # the same direction everywhere
+    out["parallel tiny"] = hvd.allreduce(torch.tensor(base * 1e-30 * (r + 1), dtype=torch.float32),
+                                         op=hvd.Adasum, name="parallel tiny").tolist()
+    out["parallel scales"] = hvd.allreduce(torch.tensor(base * 10.0 ** (-12 * r)), op=hvd.Adasum,
+                                           name="parallel scales").tolist()
     try:
         hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
     except ValueError as exc:
@@ -105,6 +111,11 @@ def test_adasum_allreduce_matches_the_tree_reference(tmp_path, np_):
     bf16_inputs = [torch.tensor(rank_vector(r, 40, 8), dtype=torch.bfloat16).double().numpy()
                    for r in range(np_)]
     np.testing.assert_allclose(out["bf16"], adasum_tree(bf16_inputs), rtol=2e-2, atol=2e-2)
+    base = np.random.default_rng(1000).standard_normal(64)
+    np.testing.assert_allclose(out["parallel tiny"],
+                               base * 1e-30 * np.mean([r + 1 for r in range(np_)]), rtol=1e-5)
+    np.testing.assert_allclose(out["parallel scales"],
+                               base * np.mean([10.0 ** (-12 * r) for r in range(np_)]), rtol=1e-9)
     assert "floating-point" in out["int error"]
     assert out["after"] == [float(np_)] * 2
 
