@@ -18,27 +18,39 @@ from . import runtime as _rt
 class ProcessSet:
     """A set of global ranks; ``ProcessSet(None)`` (``global_process_set``) is every rank.
 
-    A set other than the global one can be used once registered (``add_process_set`` or
-    ``init(process_sets=...)``), and only on its member ranks."""
+    Made from a list of ranks or from an mpi4py communicator (``ProcessSet(subcomm)``: its
+    ranks, translated to the global communicator's; it may be made before ``init()``, and
+    may differ from rank to rank, as ``Split`` makes it). A set other than the global one
+    can be used once registered (``add_process_set`` or ``init(process_sets=...)``), and
+    only on its member ranks."""
 
     def __init__(self, ranks_or_comm: Union[None, Sequence[int], object] = None) -> None:
+        self.mpi_comm = None
+        # None: every rank, or (with mpi_comm) not yet translated to global ranks
+        self._ranks: Optional[List[int]] = None
         if ranks_or_comm is not None and hasattr(ranks_or_comm, "Get_group"):
-            ranks_or_comm = _ranks_of_comm(ranks_or_comm)
-        if ranks_or_comm is None:
-            self._ranks: Optional[List[int]] = None
-        else:
-            ranks = [int(r) for r in ranks_or_comm]
-            if len(set(ranks)) != len(ranks) or not ranks:
-                raise ValueError(f"a process set needs distinct ranks, got {ranks}")
-            self._ranks = sorted(ranks)
+            self.mpi_comm = ranks_or_comm
+            if _rt.is_initialized():
+                self._resolve()
+        elif ranks_or_comm is not None:
+            self._ranks = _checked(ranks_or_comm)
         self.process_set_id: Optional[int] = 0 if ranks_or_comm is None else None
         self._runtime: Optional[_rt.Runtime] = None
         self._comm = None  # the sub-communicator, on members
 
+    def _resolve(self) -> None:
+        """Translate a communicator's ranks to global ranks (needs the runtime)."""
+        if self._ranks is None and self.mpi_comm is not None:
+            self._ranks = _checked(_ranks_of_comm(self.mpi_comm))
+
+    def _is_global(self) -> bool:
+        self._resolve()
+        return self._ranks is None
+
     @property
     def ranks(self) -> List[int]:
         """The member ranks, as global ranks (all ranks for the global set)."""
-        if self._ranks is None:
+        if self._is_global():
             return list(range(_rt.get("ProcessSet.ranks").size))
         return list(self._ranks)
 
@@ -58,8 +70,18 @@ class ProcessSet:
 
     def __repr__(self) -> str:
         if self._ranks is None:
-            return "ProcessSet(global)"
-        return f"ProcessSet({self._ranks}, id={self.process_set_id})"
+            ranks = self.ranks if (_rt.is_initialized() and self.mpi_comm is None) else None
+        else:
+            ranks = self._ranks
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+
+def _checked(ranks: Sequence[int]) -> List[int]:
+    ranks = [int(r) for r in ranks]
+    if len(set(ranks)) != len(ranks) or not ranks:
+        raise ValueError(f"a process set needs distinct ranks, got {ranks}")
+    return sorted(ranks)
 
 
 global_process_set = ProcessSet(None)
@@ -92,7 +114,7 @@ def runtime_for(process_set, what: str) -> Optional["_rt.Runtime"]:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{what}: process_set must be a ProcessSet, not "
                         f"{type(process_set).__name__}")
-    if process_set._ranks is None:
+    if process_set._is_global():
         return None
     if process_set.process_set_id is None or process_set.process_set_id not in _registered:
         raise ValueError(f"{what}: process set with ranks {process_set.ranks} has not been "
@@ -108,7 +130,7 @@ def is_added(process_set) -> bool:
     """Whether `process_set` is the global set or a set registered on this rank."""
     if not isinstance(process_set, ProcessSet):
         return False
-    return process_set._ranks is None or process_set.process_set_id in _registered
+    return process_set._is_global() or process_set.process_set_id in _registered
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
@@ -119,7 +141,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     global _next_id
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    if process_set._ranks is None:
+    if process_set._is_global():
         return global_process_set
     runtime = _global_runtime("add_process_set()")
     ranks = process_set.ranks
@@ -152,6 +174,36 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     return process_set
 
 
+def register_at_init(process_sets: Sequence[Union[ProcessSet, Sequence[int], object]]) -> None:
+    """``init(process_sets=[...])``: register the sets every rank named, on every rank.
+
+    A rank may name sets the others do not (``ProcessSet(subcomm)`` after ``Split`` is its
+    own half on each rank): the sets of all ranks are gathered and registered in the order
+    rank 0's come first, then rank 1's new ones, and so on. A set of every rank is the
+    global set (id 0); a set named twice, or already registered by an earlier ``init()``,
+    is registered once. Each object passed in ends up as the registered set of its ranks.
+    """
+    from .torch.functions import allgather_object
+
+    runtime = _global_runtime("init(process_sets=...)")
+    mine = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
+    everyone = list(range(runtime.size))
+    with _rt.using(None):
+        named = allgather_object([p.ranks for p in mine], name="process_sets.init")
+    known = {tuple(p.ranks): p for p in list(_registered.values())}
+    for ranks in (ranks for rank_lists in named for ranks in rank_lists):
+        if ranks == everyone or tuple(ranks) in known:
+            continue
+        own = next((p for p in mine if p.ranks == ranks and p.process_set_id is None), None)
+        known[tuple(ranks)] = add_process_set(own if own is not None else ProcessSet(ranks))
+    for p in mine:
+        if p.ranks == everyone:
+            p._ranks, p.process_set_id = None, 0  # the global set, as in Horovod
+        elif p.process_set_id is None:  # named twice: the same registered set
+            same = known[tuple(p.ranks)]
+            p.process_set_id, p._runtime, p._comm = same.process_set_id, same._runtime, same._comm
+
+
 def _release(process_set: ProcessSet) -> None:
     if process_set._runtime is not None:
         process_set._runtime.shutdown()
@@ -166,7 +218,7 @@ def _release(process_set: ProcessSet) -> None:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set added before (a collective on every rank); False for the global set."""
-    if not isinstance(process_set, ProcessSet) or process_set._ranks is None:
+    if not isinstance(process_set, ProcessSet) or process_set._is_global():
         return False
     with _lock:
         known = _registered.pop(process_set.process_set_id, None) is not None
@@ -182,10 +234,13 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def shutdown_all() -> None:
-    """Stop every process set's runtime on this rank (part of ``shutdown()``)."""
+    """Stop every process set's runtime on this rank (part of ``shutdown()``); a later
+    ``init()`` numbers its sets from 1 again."""
+    global _next_id
     with _lock:
         sets = list(_registered.values())
         _registered.clear()
+        _next_id = 1
     for process_set in sets:
         _release(process_set)
         process_set.process_set_id = None

@@ -187,3 +187,47 @@ def test_process_sets_record_into_the_one_timeline_file(tmp_path):
     assert {f"allreduce.g{i}" for i in range(5)} <= lanes
     assert {f"[ranks 0,1] allreduce.s{i}" for i in range(5)} <= lanes
     assert not any(lane.startswith("[ranks 1,2]") for lane in lanes)  # recorded on rank 0 only
+
+
+FROM_COMMUNICATORS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring import process_sets
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+r, size = world.Get_rank(), world.Get_size()
+# Horovod's "static process sets from MPI communicators": made before init(), and each rank
+# names its own half.
+half = world.Split(color=r % 2, key=r)
+split = hvd.ProcessSet(half)
+named = [split, hvd.ProcessSet([0]), hvd.ProcessSet(list(range(size - 1, -1, -1))),
+         hvd.ProcessSet([0])]
+hvd.init(world, process_sets=named)
+out = {"ids": [p.process_set_id for p in named], "split": split.ranks}
+out["sum"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="half",
+                           process_set=split).item()
+out["zero"] = hvd.allreduce(torch.tensor([5.0]), op=hvd.Sum, name="zero",
+                            process_set=named[3]).item() if r == 0 else None
+hvd.shutdown()
+# A list of communicators: the first is the global one, the others process sets; clones of
+# the world and of a set already named add nothing.
+hvd.init(comm=[world, half, world.Dup(), half.Dup()])
+out["registered"] = sorted((i, p.ranks) for i, p in process_sets._registered.items())
+out["after list"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="all").item()
+hvd.shutdown()
+report(out)
+'''
+
+
+def test_process_sets_from_communicators(tmp_path):
+    results = run_ranks(4, FROM_COMMUNICATORS, tmp_path, timeout=90)
+    evens, odds = [0, 2], [1, 3]
+    for r, out in enumerate(results):
+        # Rank 0's sets come first: [0, 2] is set 1, [0] set 2; the odd half, new on rank 1,
+        # is set 3. The reversed world is the global set (0); the second [0] a repeat.
+        assert out["ids"] == [1 if r % 2 == 0 else 3, 2, 0, 2]
+        assert out["split"] == (evens if r % 2 == 0 else odds)
+        assert out["sum"] == (2.0 if r % 2 == 0 else 4.0)
+        assert out["zero"] == (5.0 if r == 0 else None)
+        assert out["registered"] == [[1, evens], [2, odds]]  # numbered from 1 again
+        assert out["after list"] == 4.0

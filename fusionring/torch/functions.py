@@ -22,7 +22,7 @@ import torch
 from .. import runtime as _rt
 from ..compression import Compression
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
-from ..process_sets import add_process_set, is_added, runtime_for
+from ..process_sets import ProcessSet, register_at_init, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 from .threads import fit_intra_op_threads
 
@@ -34,17 +34,21 @@ Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, Reduc
 def init(comm=None, process_sets=None) -> None:
     """Initialise fusionring (call once per process, on every rank).
 
-    `process_sets`: ProcessSets (or lists of ranks) to register now, on every rank alike;
+    `comm`: None (every rank), an mpi4py communicator, a list of global ranks, or a list of
+    communicators: the first is the global one, each other one a process set.
+    `process_sets`: ProcessSets (from lists of ranks or communicators) or lists of ranks to
+    register now; a rank may name sets the others do not (see ``register_at_init``).
     "dynamic" is accepted for Horovod compatibility (sets can always be added later).
     """
+    if isinstance(comm, (list, tuple)) and comm and hasattr(comm[0], "Get_group"):
+        comm, more = comm[0], [ProcessSet(c) for c in comm[1:]]
+        process_sets = more + ([] if process_sets in (None, "dynamic") else list(process_sets))
     fresh = not _rt.is_initialized()
     runtime = _rt.init(comm)
     if fresh:
         fit_intra_op_threads(runtime)
     if process_sets is not None and not isinstance(process_sets, str):
-        for process_set in process_sets:
-            if not is_added(process_set):  # init() again is a no-op, as in Horovod
-                add_process_set(process_set)
+        register_at_init(process_sets)
 
 
 def shutdown() -> None:
