@@ -28,19 +28,19 @@ class ProcessSet:
         self.mpi_comm = None
         # None: every rank, or (with mpi_comm) not yet translated to global ranks
         self._ranks: Optional[List[int]] = None
+        self.process_set_id: Optional[int] = 0 if ranks_or_comm is None else None
+        self._runtime: Optional[_rt.Runtime] = None
+        self._comm = None  # the sub-communicator, on members
         if ranks_or_comm is not None and hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
             if _rt.is_initialized():
                 self._resolve()
         elif ranks_or_comm is not None:
             self._ranks = _checked(ranks_or_comm)
-        self.process_set_id: Optional[int] = 0 if ranks_or_comm is None else None
-        self._runtime: Optional[_rt.Runtime] = None
-        self._comm = None  # the sub-communicator, on members
 
     def _resolve(self) -> None:
         """Translate a communicator's ranks to global ranks (needs the runtime)."""
-        if self._ranks is None and self.mpi_comm is not None:
+        if self._ranks is None and self.mpi_comm is not None and self.process_set_id != 0:
             self._ranks = _checked(_ranks_of_comm(self.mpi_comm))
 
     def _is_global(self) -> bool:
@@ -70,7 +70,7 @@ class ProcessSet:
 
     def __repr__(self) -> str:
         if self._ranks is None:
-            ranks = self.ranks if (_rt.is_initialized() and self.mpi_comm is None) else None
+            ranks = self.ranks if (_rt.is_initialized() and self.process_set_id == 0) else None
         else:
             ranks = self._ranks
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, "

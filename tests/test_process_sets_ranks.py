@@ -214,6 +214,11 @@ hvd.shutdown()
 hvd.init(comm=[world, half, world.Dup(), half.Dup()])
 out["registered"] = sorted((i, p.ranks) for i, p in process_sets._registered.items())
 out["after list"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="all").item()
+# A set made from a copy of the world is the global set.
+whole = hvd.ProcessSet(world.Dup())
+hvd.init(process_sets=[whole])
+out["whole"] = [whole.process_set_id, hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="whole",
+                                                    process_set=whole).item()]
 hvd.shutdown()
 report(out)
 '''
@@ -231,3 +236,4 @@ def test_process_sets_from_communicators(tmp_path):
         assert out["zero"] == (5.0 if r == 0 else None)
         assert out["registered"] == [[1, evens], [2, odds]]  # numbered from 1 again
         assert out["after list"] == 4.0
+        assert out["whole"] == [0, 4.0]
