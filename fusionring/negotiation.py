@@ -14,7 +14,7 @@ once every rank has joined and nothing is pending anywhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -186,6 +186,7 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
         if late:
             lines = [f"  {display_name(n)} waiting {a:.1f} s for {_ranks_text(m)}"
                      for n, m, a in late]
+            lines += [f"  {clash}" for clash in _operation_clashes(late, by_name)]
             outcome.stall_warning = (
                 "fusionring: some tensors were submitted by a subset of ranks and are waiting "
                 "for the rest (a rank may be stuck, or ranks run different code paths):\n"
@@ -195,8 +196,23 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
         if dead:
             lines = [f"{display_name(n)} (missing on {_ranks_text(m)})" for n, m, _ in dead]
             outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
-                             f"tensors that some ranks never submitted: " + ", ".join(lines))
+                             f"tensors that some ranks never submitted: " + ", ".join(lines)
+                             + "".join(f"; {clash}" for clash in _operation_clashes(dead, by_name)))
     return outcome
+
+
+def _operation_clashes(stalled: Sequence[Tuple[str, List[int], float]],
+                       by_name: Mapping[str, Mapping[int, Tuple[TensorSpec, float]]]) -> List[str]:
+    """One line per name that waiting ranks submitted as different operations (an allgather
+    on one rank, an allreduce on another): each waits for the others forever."""
+    kinds: Dict[str, Dict[str, List[int]]] = {}
+    for name, _, _ in stalled:
+        for rank, (spec, _) in by_name[name].items():
+            kinds.setdefault(_bare(name, spec), {}).setdefault(spec.kind, []).append(rank)
+    return [f"'{bare}' is " + ", ".join(f"{kind} on {_ranks_text(sorted(ranks))}"
+                                        for kind, ranks in by_kind.items())
+            + ": every rank must call the same operation under a name"
+            for bare, by_kind in kinds.items() if len(by_kind) > 1]
 
 
 def _first_dim(spec: TensorSpec) -> int:

@@ -165,6 +165,35 @@ def test_stall_warns_then_fails_every_rank(tmp_path):
     assert output.count("waiting for the rest") <= 20, output[-2000:]
 
 
+CLASH = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+try:
+    if r == 0:
+        hvd.allgather(torch.ones(2), name="k")
+    else:
+        hvd.allreduce(torch.ones(2), name="k")
+    report({"error": None})
+except hvd.FusionRingError as exc:
+    report({"error": str(exc)})
+'''
+
+
+def test_one_name_for_different_operations_is_named_in_the_stall_messages(tmp_path):
+    # Operations are told apart by kind as well as name (as in Horovod), so an allgather on
+    # one rank and an allreduce on another under one name wait for each other: the stall
+    # warning and the stall error say so.
+    results, code, output = run_ranks(
+        2, CLASH, tmp_path, timeout=60, expect_failure=True,
+        env={"FUSIONRING_STALL_WARNING_S": "0.5", "FUSIONRING_STALL_SHUTDOWN_S": "2"})
+    clash = "'k' is allgather on rank 0, allreduce on rank 1: every rank must call the same"
+    assert clash in output
+    for out in results:
+        assert clash in out["error"], out
+
+
 SHM_LATE_PEER = r'''
 import time
 import numpy as np
