@@ -112,3 +112,16 @@ def test_a_contender_from_another_module_is_listed_with_import(tmp_path):
                            "--list"], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert any(line.startswith("mpi-again ") for line in done.stdout.splitlines())
+
+
+def test_the_adasum_benchmark_times_every_dtype_and_writes_its_page(tmp_path):
+    mpiexec_path()  # skips without MPI
+    doc = tmp_path / "adasum.md"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_adasum.py"), "--ranks", "2",
+               "--elements", "1000", "--repeats", "1", "--doc", str(doc), "--timeout-s", "100"]
+    done = subprocess.run(command, cwd=str(tmp_path), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    page = doc.read_text()
+    for row in ("Adasum float32", "Adasum float16", "Adasum bfloat16", "Sum float16", "MPI float32"):
+        assert f"| {row} |" in page
+    assert "python scripts/bench_adasum.py --ranks 2" in page and (tmp_path / "adasum.png").exists()
