@@ -60,12 +60,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# Complex tensors are reduced as their real and imaginary parts (torch.view_as_real): a sum
+# or an average of complex numbers is the sum or average of each part.
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+
+
 def check_dtype(tensor: torch.Tensor, name: str) -> None:
     """Raise ValueError naming the tensor and dtype when the core cannot reduce it."""
-    if tensor.dtype not in DTYPE_CODES:
-        supported = ", ".join(dtype_name(d) for d in DTYPE_CODES)
+    if tensor.dtype not in DTYPE_CODES and tensor.dtype not in COMPLEX_DTYPES:
+        supported = ", ".join(dtype_name(d) for d in (*DTYPE_CODES, *COMPLEX_DTYPES))
         raise ValueError(f"tensor '{name}' has unsupported dtype {dtype_name(tensor.dtype)}; "
                          f"fusionring supports {supported}")
+
+
+def real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor the core reduces: a complex tensor's parts as a real one (same memory)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def complex_result(spec: TensorSpec, output: torch.Tensor) -> torch.Tensor:
+    """A reduction's output in the dtype its caller gave (undoes `real_view`)."""
+    if spec.dtype.startswith("complex") and not output.is_complex():
+        return torch.view_as_complex(output)
+    return output
 
 
 def byte_view(tensor: torch.Tensor):
@@ -510,6 +527,8 @@ class Runtime:
         if spec.kind == "allgather":
             shape = (0,) + tuple(spec.shape[1:]) if spec.shape else (0,)
         tensor = torch.zeros(shape, dtype=dtype)
+        if spec.kind in ("allreduce", "reducescatter"):
+            tensor = real_view(tensor)
         request = Request(item.name, spec, tensor, tensor, root=spec.root,
                           submitted_at=time.monotonic())
         if spec.kind == "allreduce":

@@ -191,3 +191,109 @@ def test_wait_policy_rejects_bad_values():
     core = _C.Communicator(MPI._handleof(MPI.COMM_SELF))
     with pytest.raises(ValueError, match="wait policy"):
         core.set_wait_policy(-1, 10)
+
+
+COMPLEX = r'''
+import numpy as np, torch
+import fusionring.torch as hvd
+from fusionring.exceptions import TensorMismatchError
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+
+def data(r, dtype, shape):
+    rng = np.random.default_rng(7 + r)
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(
+        np.complex64 if dtype == torch.complex64 else np.complex128)
+
+def ref(dtype, shape, op="Average"):
+    total = sum(data(r, dtype, shape).astype(np.complex128) for r in range(size))
+    return total / size if op == "Average" else total
+
+def same(got, want, dtype):
+    return bool(np.allclose(got.numpy(), want, atol=1e-5 if dtype == torch.complex64 else 1e-12))
+
+out = {}
+for dtype in (torch.complex64, torch.complex128):
+    label = str(dtype).replace("torch.", "")
+    x = torch.from_numpy(data(rank, dtype, (17, 3)))
+    out[label + " average"] = same(hvd.allreduce(x, name=label), ref(dtype, (17, 3)), dtype)
+    out[label + " sum, scaled"] = same(
+        hvd.allreduce(x, name=label + ".s", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25),
+        ref(dtype, (17, 3), "Sum") * 0.5, dtype)
+    y = x.clone()
+    hvd.allreduce_(y, name=label + ".inplace", op=hvd.Sum)
+    out[label + " in place"] = y.dtype == dtype and same(y, ref(dtype, (17, 3), "Sum"), dtype)
+    t = x.clone().t()  # not contiguous: reduced through a copy, written back
+    hvd.allreduce_(t, name=label + ".t")
+    out[label + " transposed"] = same(t, ref(dtype, (17, 3)).T, dtype)
+    a, b = hvd.grouped_allreduce([x, x[0, 0]], name=label + ".g")  # a 0-d one too
+    out[label + " grouped"] = same(a, ref(dtype, (17, 3)), dtype) and \
+        same(b, ref(dtype, (17, 3))[0, 0], dtype)
+    rs = hvd.reducescatter(x, name=label + ".rs", op=hvd.Sum)
+    base, extra = divmod(17, size)
+    start = rank * base + min(rank, extra)
+    out[label + " reducescatter"] = same(rs, ref(dtype, (17, 3), "Sum")[start:start + len(rs)],
+                                         dtype)
+
+# Autograd: the gradient of a sum over ranks is the output gradient summed over ranks.
+w = torch.from_numpy(data(rank, torch.complex64, (5,))).requires_grad_()
+hvd.allreduce(w, name="grad", op=hvd.Sum).real.sum().backward()
+out["grad"] = bool(torch.allclose(w.grad, torch.full((5,), float(size), dtype=torch.complex64)))
+
+# DistributedOptimizer on a complex layer: every rank ends with the same weights, those of
+# one process stepping on the average of every rank's gradient.
+torch.manual_seed(0)
+layer = torch.nn.Linear(3, 2, dtype=torch.complex64)
+single = torch.nn.Linear(3, 2, dtype=torch.complex64)
+single.load_state_dict(layer.state_dict())
+opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
+                               named_parameters=layer.named_parameters())
+ref_opt = torch.optim.SGD(single.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    layer(torch.from_numpy(data(rank + 10 * step, torch.complex64, (4, 3)))).abs().sum().backward()
+    opt.step()
+    ref_opt.zero_grad()
+    sum(single(torch.from_numpy(data(r + 10 * step, torch.complex64, (4, 3)))).abs().sum()
+        for r in range(size)).div(size).backward()
+    ref_opt.step()
+out["optimizer"] = bool(torch.allclose(layer.weight, single.weight, atol=1e-6))
+
+# N:M compresses a complex tensor as its parts: the same as compressing the real view.
+for shared in (True, False):
+    on_complex, on_parts = (hvd.Compression.nm(shared_mask=shared) for _ in range(2))
+    same_bits = True
+    for step in range(3):
+        z = torch.from_numpy(data(rank + 10 * step, torch.complex64, (40,)))
+        a = hvd.allreduce(z, name="nm.c", compression=on_complex)
+        b = hvd.allreduce(torch.view_as_real(z).clone(), name="nm.r", compression=on_parts)
+        same_bits &= a.dtype == torch.complex64 and torch.equal(torch.view_as_real(a), b)
+    out[f"nm shared_mask={shared}"] = bool(same_bits)
+
+errors = {}
+for op in (hvd.Max, hvd.Min, hvd.Product, hvd.Adasum):
+    try:
+        hvd.allreduce(x, name="bad", op=op)
+    except ValueError as e:
+        errors[op.name] = str(e)
+try:  # one rank complex, the other its real view: caught before anything moves
+    hvd.allreduce(x if rank == 0 else torch.view_as_real(x), name="mixed")
+except TensorMismatchError as e:
+    errors["mixed"] = str(e)
+out["after errors"] = same(hvd.allreduce(x, name="again"), ref(torch.complex128, (17, 3)),
+                           torch.complex128)
+report({"out": out, "errors": errors})
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_complex_tensors_reduce_as_their_parts(np_, tmp_path):
+    for result in run_ranks(np_, COMPLEX, tmp_path, timeout=120):
+        assert all(result["out"].values()), result["out"]
+        errors = result["errors"]
+        for op in ("Max", "Min", "Product"):
+            assert f"op={op} is not defined for complex tensors (complex128)" in errors[op]
+        assert "allreduce 'bad'" in errors["Max"]
+        assert "Adasum" in errors["Adasum"] and "complex128" in errors["Adasum"]
+        assert "'mixed'" in errors["mixed"] and "complex128" in errors["mixed"] and \
+            "float64" in errors["mixed"]

@@ -253,9 +253,9 @@ def _full_name(kind: str, name: Optional[str]) -> str:
 def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor:
     """A contiguous CPU tensor holding the data (device tensors are staged through host).
 
-    `reduced`: the core combines the values, so the dtype must be one it reduces; data
-    that is only moved (broadcast, allgather, alltoall) travels as bytes, any dtype
-    (bool masks and int8 buffers in a state_dict, for example).
+    `reduced`: the core combines the values, so the dtype must be one it reduces (a complex
+    tensor is returned as its real view); data that is only moved (broadcast, allgather,
+    alltoall) travels as bytes, any dtype (bool masks and int8 buffers in a state_dict).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
@@ -264,8 +264,17 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
     if tensor.is_cpu and tensor.is_contiguous():  # every CPU gradient: skip the no-op copies
-        return tensor.detach()
-    return tensor.detach().to("cpu").contiguous()
+        host = tensor.detach()
+    else:
+        host = tensor.detach().to("cpu").contiguous()
+    return _rt.real_view(host) if reduced else host
+
+
+def _check_complex_op(tensor: torch.Tensor, what: str, op: ReduceOp) -> None:
+    # Summing the parts is summing the numbers; an order or a product of them is not partwise.
+    if tensor.is_complex() and op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise ValueError(f"{what}: op={op.name} is not defined for complex tensors "
+                         f"({_rt.dtype_name(tensor.dtype)}); use Sum or Average")
 
 
 def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -279,6 +288,7 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
     host = _host(tensor, name or full)
+    _check_complex_op(tensor, f"allreduce '{name or full}'", reduce_op)
     if reduce_op == ReduceOp.Adasum:
         _check_adasum(tensor, name or full, runtime.size, compression)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
@@ -336,7 +346,7 @@ def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
     def finish(requests: List[_rt.Request]):
         results = []
         for request, target in zip(requests, targets):
-            out = request.output
+            out = _rt.complex_result(request.spec, request.output)
             if target is not None:
                 if out.data_ptr() != target.data_ptr():
                     with torch.no_grad():
@@ -352,8 +362,8 @@ def _outputs_on(devices: Sequence[torch.device], single: bool):
     """Result finisher: each request's output, moved back to its input's device."""
 
     def finish(requests: List[_rt.Request]):
-        outputs = [r.output.to(d) if d.type != "cpu" else r.output
-                   for r, d in zip(requests, devices)]
+        outputs = [_rt.complex_result(r.spec, r.output) for r in requests]
+        outputs = [o.to(d) if d.type != "cpu" else o for o, d in zip(outputs, devices)]
         return outputs[0] if single else outputs
 
     return finish
@@ -488,12 +498,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
     """Start an allreduce of several tensors as one operation; returns one handle."""
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, False)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
-    devices = [t.device for t in tensors]
-
-    def finish(done):
-        return [r.output.to(d) if d.type != "cpu" else r.output for r, d in zip(done, devices)]
-
-    return _register(_submit(requests), finish)
+    return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
 
 
 @_routed
@@ -780,10 +785,11 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     if reduce_op == ReduceOp.Adasum:
         raise ValueError(f"{what}: op=Adasum is for allreduce only")
     host = _host(tensor, name if name is not None else "(unnamed)")
-    if host.dim() == 0:
+    if tensor.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
+    _check_complex_op(tensor, what, reduce_op)
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
-    spec = TensorSpec("reducescatter", _rt.dtype_name(tensor.dtype), tuple(host.shape),
+    spec = TensorSpec("reducescatter", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
                       op=reduce_op.name, prescale=float(prescale_factor),
                       postscale=float(postscale_factor))
     return _rt.Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
