@@ -186,6 +186,15 @@ def _mpi_peers_remote() -> bool:
 _LAUNCHER_SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE")
 
 
+# Set by MPI launchers (MPICH's hydra, Open MPI / PMIx) in every rank's environment.
+_MPI_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def mpi_launch_variable() -> Optional[str]:
+    """The first MPI launcher variable in the environment, else None."""
+    return next((name for name in _MPI_RANK_VARIABLES if name in os.environ), None)
+
+
 def launcher_world_size() -> Optional[tuple]:
     """(variable, size) for the first launcher variable that announces more than one
     process, else None."""

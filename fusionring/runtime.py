@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
-from .config import Settings, launcher_world_size, settings
+from .config import Settings, launcher_world_size, mpi_launch_variable, settings
 from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from .negotiation import Negotiator, Ready, TensorSpec
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
@@ -902,11 +902,36 @@ def _check_not_a_lone_copy(MPI) -> None:
         f"another MPI's launcher (unset {variable} to run a single process).")
 
 
+def _check_not_a_worker_process() -> None:
+    """A process that multiprocessing started from a rank with spawn or forkserver (a
+    DataLoader worker, say) inherits the rank's launcher variables but is no rank: MPI_Init
+    would abort there with a launcher error. Name the cause instead."""
+    import multiprocessing
+
+    variable = mpi_launch_variable()
+    # Such a process imports the script as a module named __mp_main__. (multiprocessing
+    # also files the main module of any process under that key, with its own name; a forked
+    # process keeps that one, and can still reach the launcher through the descriptors it
+    # inherited.)
+    imported_as = getattr(sys.modules.get("__mp_main__"), "__name__", None)
+    if variable is None or imported_as != "__mp_main__":
+        return
+    raise FusionRingError(
+        f"init() was called in process {os.getpid()} "
+        f"({multiprocessing.current_process().name}), which multiprocessing started from MPI "
+        f"rank {os.environ[variable]} ({variable} is inherited). Such a process, a DataLoader "
+        f"worker with multiprocessing_context 'spawn' or 'forkserver' for example, imports the "
+        f"script again and cannot join the job: call init() inside `if __name__ == "
+        f"'__main__':` or a main() function, so that only the ranks run it.")
+
+
 def init(comm=None) -> Runtime:
     """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
     global _runtime, _atexit_registered
     if _runtime is not None and _runtime.alive:
         return _runtime
+    if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
+        _check_not_a_worker_process()
     from mpi4py import MPI
 
     if isinstance(comm, (list, tuple)):

@@ -367,3 +367,48 @@ def test_mpi_below_thread_multiple_is_warned_about(tmp_path):
         assert "MPI_THREAD_SERIALIZED" in out["messages"][0]
         assert "thread_level = 'multiple'" in out["messages"][0]
         assert out["sum"] == [2.0, 2.0]
+
+
+DATA_LOADER_WORKERS = r'''
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+import fusionring.torch as hvd
+GUARDED = {guarded}
+
+def train():
+    hvd.init()
+    data = TensorDataset(torch.arange(64.0).reshape(32, 2), torch.arange(32) % 2)
+    loader = DataLoader(data, batch_size=8, num_workers=1, multiprocessing_context="{context}")
+    model = torch.nn.Linear(2, 2)
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    weights = hvd.allgather(model.weight.detach().unsqueeze(0))
+    report(all(torch.equal(weights[0], w) for w in weights))
+
+if GUARDED:
+    if __name__ == "__main__":
+        train()
+else:
+    train()  # also runs in every worker that imports this script again
+'''
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_data_loader_workers_that_import_the_script_again(context, tmp_path):
+    # Guarded: the workers import the script without starting fusionring, and training works.
+    code = DATA_LOADER_WORKERS.format(guarded=True, context=context)
+    assert run_ranks(2, code, tmp_path / "guarded", timeout=120) == [True, True]
+    # Unguarded: each worker's init() says what happened instead of MPI aborting on the
+    # launcher's inherited variables, and the job ends.
+    code = DATA_LOADER_WORKERS.format(guarded=False, context=context)
+    _, returncode, output = run_ranks(2, code, tmp_path / "unguarded", timeout=120,
+                                      expect_failure=True)
+    assert returncode != 0
+    assert "which multiprocessing started from MPI rank" in output
+    assert "if __name__ == '__main__':" in output
+    assert "PMIU_write error" not in output and "PMI_Init failed" not in output
