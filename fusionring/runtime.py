@@ -468,9 +468,12 @@ class Runtime:
                     now = time.perf_counter()
                     for request in ready:
                         waited = time.monotonic() - request.submitted_at
-                        timeline.span(request.name, "negotiate", now - waited, now)
+                        timeline.span(request.name, "negotiate", now - waited, now,
+                                      kind=request.spec.kind)
                 try:
                     self._execute(ready, outcome.flush)
+                    if ready and timeline is not None:
+                        timeline.flush()
                 except Exception as exc:  # noqa: BLE001 - peers must hear of it, not hang
                     self._fail_everything(FusionRingError(
                         f"fusionring background loop failed on rank {self.rank}: {exc}"))
@@ -608,12 +611,19 @@ class Runtime:
         return ([small] if small else []) + large
 
     def _guarded(self, requests: List[Request], run) -> None:
+        started = time.perf_counter()
         try:
             run(requests)
         except ValueError as exc:
             for request in requests:
                 self._complete(request, exc)
             return
+        timeline = self._timeline
+        kind = requests[0].spec.kind
+        if timeline is not None and kind != "fusion_groups":
+            # The whole processing, around the phases the collective recorded itself.
+            timeline.span(_lane(requests), "operation", started, time.perf_counter(),
+                          {"tensors": len(requests)}, kind=kind)
         for request in requests:
             self._complete(request)
 
@@ -664,7 +674,7 @@ class Runtime:
     def _allreduce_batch(self, requests: List[Request], kind: str) -> None:
         first = requests[0]
         code = DTYPE_CODES[first.output.dtype]
-        lane = first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
+        lane = _lane(requests)
         t0 = time.perf_counter()
         total = sum(r.nbytes for r in requests)
         if self._through_shared_memory(requests, kind):
@@ -900,6 +910,12 @@ def _check_not_a_lone_copy(MPI) -> None:
         f"fusionring's ranks are MPI processes: launch with `fusionrun -np {size} python ...` "
         f"or the mpirun/mpiexec of the MPI that mpi4py was built with, not torchrun or "
         f"another MPI's launcher (unset {variable} to run a single process).")
+
+
+def _lane(requests: List[Request]) -> str:
+    """The timeline row of a collective: its tensor's name, or its batch's."""
+    first = requests[0]
+    return first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
 
 
 def _check_not_a_worker_process() -> None:

@@ -1,4 +1,10 @@
-"""Chrome-trace timeline (chrome://tracing, Perfetto): one span per group and phase."""
+"""Chrome-trace timeline (chrome://tracing, Perfetto): one span per group and phase.
+
+Spans carry Horovod's activity names (NEGOTIATE_ALLREDUCE, ALLREDUCE,
+MEMCPY_IN_FUSION_BUFFER, ..., CYCLE_START marks), so a trace reads as Horovod's documentation
+describes and tools written for Horovod's timelines keep working; each span's args name
+fusionring's phase too (negotiate, pack, compress, reduce, unpack, ...).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +42,28 @@ def phase_recorder() -> Optional[PhaseRecorder]:
     return _recorder.get()
 
 
+# Phases whose activity name does not depend on the operation.
+_ACTIVITIES = {"pack": "MEMCPY_IN_FUSION_BUFFER", "unpack": "MEMCPY_OUT_FUSION_BUFFER",
+               "compress": "COMPRESS", "decompress": "DECOMPRESS"}
+CYCLE_MARK = "CYCLE_START"
+# Written at least this often while spans arrive, and after every cycle that ran operations
+# (Runtime calls flush()), so a running job's file shows what has completed.
+_FLUSH_EVERY_S = 0.5
+
+
+def activity(phase: str, kind: str = "allreduce", transport: Optional[str] = None) -> str:
+    """Horovod's name for `phase` of an operation of `kind`: negotiate -> NEGOTIATE_ALLREDUCE,
+    operation -> ALLREDUCE (the whole processing), reduce -> RING_ALLREDUCE (SHM_ALLREDUCE
+    through the shared-memory window), pack -> MEMCPY_IN_FUSION_BUFFER, ..."""
+    if phase == "negotiate":
+        return f"NEGOTIATE_{kind.upper()}"
+    if phase == "operation":
+        return kind.upper()
+    if phase == "reduce":
+        return f"{'SHM' if transport == 'shared memory' else 'RING'}_{kind.upper()}"
+    return _ACTIVITIES.get(phase, phase.upper())
+
+
 class Timeline:
     """Streams trace events to a JSON file; written by rank 0 only."""
 
@@ -48,6 +76,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._tids: Dict[str, int] = {}
+        self._flushed = time.monotonic()
 
     def _us(self, t: float) -> float:
         return round((t - self._t0) * 1e6, 3)
@@ -58,6 +87,18 @@ class Timeline:
                 return
             self._file.write(("" if self._first else ",\n") + json.dumps(event))
             self._first = False
+            if time.monotonic() - self._flushed > _FLUSH_EVERY_S:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
+
+    def flush(self) -> None:
+        """Hand what was recorded so far to the file."""
+        with self._lock:
+            if not self._file.closed:
+                self._flush_locked()
 
     def _tid(self, lane: str) -> int:
         tid = self._tids.get(lane)
@@ -68,12 +109,13 @@ class Timeline:
         return tid
 
     def span(self, lane: str, phase: str, start: float, end: float,
-             args: Optional[dict] = None) -> None:
-        """A completed phase (negotiate, pack, compress, reduce, unpack, ...) on `lane`."""
-        event = {"name": phase, "ph": "X", "pid": 0, "tid": self._tid(lane),
-                 "ts": self._us(start), "dur": round((end - start) * 1e6, 3)}
-        if args:
-            event["args"] = args
+             args: Optional[dict] = None, kind: str = "allreduce") -> None:
+        """A completed phase (negotiate, operation, pack, compress, reduce, unpack, ...) of an
+        operation of `kind` on `lane`, under Horovod's name for it (see `activity`)."""
+        args = dict(args or {}, phase=phase)
+        event = {"name": activity(phase, kind, args.get("transport")), "ph": "X", "pid": 0,
+                 "tid": self._tid(lane), "ts": self._us(start),
+                 "dur": round((end - start) * 1e6, 3), "args": args}
         self._emit(event)
 
     def mark(self, name: str, when: Optional[float] = None) -> None:
@@ -84,7 +126,7 @@ class Timeline:
     def mark_cycle(self) -> None:
         """The per-cycle marker, when this timeline records cycles."""
         if self.mark_cycles:
-            self.mark("cycle")
+            self.mark(CYCLE_MARK)
 
     def close(self) -> None:
         with self._lock:
@@ -102,8 +144,11 @@ class LaneView:
         self.prefix = prefix
 
     def span(self, lane: str, phase: str, start: float, end: float,
-             args: Optional[dict] = None) -> None:
-        self.target.span(self.prefix + lane, phase, start, end, args)
+             args: Optional[dict] = None, kind: str = "allreduce") -> None:
+        self.target.span(self.prefix + lane, phase, start, end, args, kind)
+
+    def flush(self) -> None:
+        self.target.flush()
 
     def mark(self, name: str, when: Optional[float] = None) -> None:
         self.target.mark(self.prefix + name, when)

@@ -150,8 +150,8 @@ else:
     if hvd.rank() == 0:
         events = json.load(open(path))
         events = events["traceEvents"] if isinstance(events, dict) else events
-        transports = [e.get("args", {}).get("transport", "ring") for e in events
-                      if e.get("name") == "reduce"]
+        transports = [e["args"].get("transport", "ring") for e in events
+                      if e["name"] in ("RING_ALLREDUCE", "SHM_ALLREDUCE")]
     report({"rule": rule, "transports": transports, "sum_ok": bool(torch.all(y == 3.0))})
 '''
 

@@ -106,8 +106,8 @@ def test_horovod_environment_reaches_the_runtime(tmp_path):
         assert r["ok"]
         assert r["batches"] == 6
     events = json.loads(path.read_text())
-    assert any(e.get("name") == "reduce" for e in events)
-    assert not any(e.get("name") == "cycle" for e in events)
+    assert any(e.get("name") == "RING_ALLREDUCE" for e in events)
+    assert not any(e.get("name") == "CYCLE_START" for e in events)
 
 
 # ------------------------------------------------------------------------------------------

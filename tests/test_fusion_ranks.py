@@ -65,18 +65,30 @@ def test_timeline_has_a_span_per_group_and_phase(tmp_path):
     _train(2, 0, tmp_path / "threshold", env={"FUSIONRING_TIMELINE": str(path),
                                               "FUSIONRING_SHARED_MEMORY": "off"})
     events = json.loads(path.read_text())
-    phases = {e["name"] for e in events if e.get("ph") == "X"}
-    assert {"negotiate", "pack", "reduce", "unpack"} <= phases
-    assert any(e["name"] == "cycle" and e["ph"] == "i" for e in events)
+    phases = {e["args"]["phase"] for e in events if e.get("ph") == "X"}
+    assert {"negotiate", "operation", "pack", "reduce", "unpack"} <= phases
+    # Under Horovod's names for the same activities.
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "RING_ALLREDUCE",
+            "MEMCPY_OUT_FUSION_BUFFER"} <= names
+    assert any(e["name"] == "CYCLE_START" and e["ph"] == "i" for e in events)
+    # Each batch's processing span holds its pack, reduce and unpack.
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    for op in (e for e in events if e.get("name") == "ALLREDUCE"):
+        inner = [e for e in events if e.get("ph") == "X" and e["tid"] == op["tid"]
+                 and e["args"]["phase"] in ("pack", "reduce", "unpack")
+                 and op["ts"] <= e["ts"] <= op["ts"] + op["dur"]]
+        assert inner and all(e["ts"] + e["dur"] <= op["ts"] + op["dur"] + 1 for e in inner), \
+            lanes[op["tid"]]
     # A plan's gradients already live in their group's buffer: reduced where they lie.
     path = tmp_path / "plan.json"
     _train(2, 8192, tmp_path / "plan", env={"FUSIONRING_TIMELINE": str(path),
                                             "FUSIONRING_SHARED_MEMORY": "off"})
     events = json.loads(path.read_text())
     lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    group_phases = {e["name"] for e in events
+    group_phases = {e["args"]["phase"] for e in events
                     if e.get("ph") == "X" and lanes[e["tid"]].startswith("group of")}
-    assert group_phases == {"reduce"}
+    assert group_phases == {"operation", "reduce"}
 
 
 COMPRESSED_TIMELINE = r'''
@@ -106,8 +118,9 @@ def test_timeline_shows_compression_phases(compression, tmp_path):
     events = run_ranks(2, COMPRESSED_TIMELINE, tmp_path, timeout=90,
                        env={"COMPRESSION": compression})[0]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    spans = [(lanes[e["tid"]], e["name"], e["ts"], e["ts"] + e["dur"])
+    spans = [(lanes[e["tid"]], e["args"]["phase"], e["ts"], e["ts"] + e["dur"])
              for e in events if e.get("ph") == "X"]
+    assert {"COMPRESS", "DECOMPRESS"} <= {e["name"] for e in events}
     coded = [s for s in spans if s[1] in ("compress", "decompress")]
     if compression == "fp16":
         # Cast by the optimizer in the caller's thread, on each gradient's own lane: every
@@ -155,10 +168,10 @@ def test_start_and_stop_timeline(tmp_path):
     events = json.loads((tmp_path / "tl.json").read_text())
     lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
     assert "allreduce.during" in lanes and not lanes & {"allreduce.before", "allreduce.after"}
-    assert any(e["name"] == "cycle" for e in events)
+    assert any(e["name"] == "CYCLE_START" for e in events)
     second = json.loads((tmp_path / "tl2.json").read_text())
     assert "allreduce.second" in {e["args"]["name"] for e in second if e.get("ph") == "M"}
-    assert not any(e["name"] == "cycle" for e in second)
+    assert not any(e["name"] == "CYCLE_START" for e in second)
 
 
 DIFFERENT_PLANS = r'''
@@ -355,3 +368,27 @@ def test_groups_refused_on_every_rank_leave_the_next_optimizer_working(tmp_path)
         assert out["error"] is not None and "overlap" in out["error"]
         assert out["groups"] == [["allreduce.b.weight", "allreduce.b.bias"]]
         assert out["kinds"] == {"plan": 1}
+
+
+LIVE_TIMELINE = r'''
+import json, os, time, torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.tensor([1.0, 2.0, 3.0]), name="test_allreduce")
+time.sleep(0.1)
+text = open(os.environ["HOROVOD_TIMELINE"]).read() if hvd.rank() == 0 else ""
+hvd.barrier()
+report(text)
+'''
+
+
+def test_timeline_is_readable_while_the_job_runs(tmp_path):
+    # As Horovod's own timeline test reads it: during the run, under Horovod's names.
+    path = tmp_path / "timeline.json"
+    text = run_ranks(2, LIVE_TIMELINE, tmp_path, timeout=60, env={
+        "HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1"})[0]
+    for needle in ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", '"ALLREDUCE"',
+                   "CYCLE_START"):
+        assert needle in text, needle
+    events = json.loads(text.rstrip().rstrip(",") + "]")  # not closed until the end
+    assert any(e["name"] == "ALLREDUCE" and e["args"]["phase"] == "operation" for e in events)
