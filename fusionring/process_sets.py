@@ -204,6 +204,23 @@ def register_at_init(process_sets: Sequence[Union[ProcessSet, Sequence[int], obj
             p.process_set_id, p._runtime, p._comm = same.process_set_id, same._runtime, same._comm
 
 
+def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """The registered set with this id (0: the global set)."""
+    if process_set_id == 0:
+        return global_process_set
+    with _lock:
+        found = _registered.get(process_set_id)
+    if found is None:
+        raise ValueError(f"No known process set with id {process_set_id}")
+    return found
+
+
+def process_sets() -> List[ProcessSet]:
+    """Every registered set by id, the global set first."""
+    with _lock:
+        return [global_process_set] + [_registered[i] for i in sorted(_registered)]
+
+
 def _release(process_set: ProcessSet) -> None:
     if process_set._runtime is not None:
         process_set._runtime.shutdown()

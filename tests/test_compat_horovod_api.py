@@ -285,6 +285,7 @@ def test_horovod_common_imports_resolve_to_the_same_objects():
     import fusionring.torch as hvd
     from fusionring.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
     from fusionring.common.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                                process_set_by_id, process_sets,
                                                 remove_process_set)
 
     assert HorovodInternalError is hvd.HorovodInternalError

@@ -62,7 +62,17 @@ try:
     out["disagree"] = "no error"
 except ValueError as exc:
     out["disagree"] = str(exc)
+# horovod.common.process_sets' lookups: by id, and every registered set.
+from fusionring.common import process_sets as hps
+out["lookup"] = [hps.process_set_by_id(0) is hvd.global_process_set,
+                 hps.process_set_by_id(even.process_set_id) is even,
+                 [p.ranks for p in hps.process_sets()]]
+try:
+    hps.process_set_by_id(99)
+except ValueError as exc:
+    out["unknown id"] = str(exc)
 out["removed"] = hvd.remove_process_set(odd)
+out["after remove ids"] = [p.process_set_id for p in hps.process_sets()]
 try:
     hvd.allreduce(x, process_set=odd)
     out["after remove"] = "no error"
@@ -112,7 +122,10 @@ def test_process_sets(tmp_path):
         for got, want in zip(out["params"], _reference_params(ranks)):
             assert got == pytest.approx(want, abs=1e-6)
         assert "ranks disagree on the set" in out["disagree"]
+        assert out["lookup"] == [True, True, [[0, 1, 2, 3], [0, 2], [1, 3]]]
+        assert out["unknown id"] == "No known process set with id 99"
         assert out["removed"] is True
+        assert out["after remove ids"] == [0, 1]
         assert "has not been added" in out["after remove"]
         assert out["global"] == [10.0] * 3
 
