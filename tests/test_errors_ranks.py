@@ -78,6 +78,10 @@ for dtype in (torch.uint32, torch.bool):
         hvd.allreduce(torch.zeros(2, dtype=dtype), name="weird")
     except ValueError as exc:
         out[str(dtype)] = str(exc)
+try:
+    hvd.broadcast(torch.zeros(2), root_rank=7, name="far")
+except ValueError as exc:
+    out["root range"] = str(exc)
 for fn in (hvd.synchronize, hvd.poll):
     try:
         fn(123456)
@@ -100,6 +104,7 @@ def test_local_errors_are_clear_value_errors(tmp_path):
         assert out["reuse_after_done"] == [1.0, 1.0]
         assert "uint32" in out["torch.uint32"] and "'weird'" in out["torch.uint32"]
         assert "bool" in out["torch.bool"]
+        assert out["root range"] == "broadcast 'far': root_rank 7 is out of range for 2 ranks"
         assert "unknown handle 123456" in out["synchronize"]
         assert "unknown handle" in out["poll"]
         assert "unknown handle" in out["twice"]

@@ -903,13 +903,15 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
                        in_place: bool) -> _rt.Request:
     runtime = _rt.get("broadcast")
     root = int(root_rank)
+    what = _described("broadcast", name)
     if runtime.global_ranks is not None:  # a process set: root_rank is a global rank
         if root not in runtime.global_ranks:
-            raise ValueError(f"root_rank {root} is not in the process set with ranks "
+            raise ValueError(f"{what}: root_rank {root} is not in the process set with ranks "
                              f"{runtime.global_ranks}")
         root = runtime.global_ranks.index(root)
     elif not 0 <= root < runtime.size:
-        raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size} ranks")
+        raise ValueError(f"{what}: root_rank {root_rank} is out of range for {runtime.size} "
+                         f"ranks")
     full = _full_name("broadcast", name)
     host = _host(tensor, name or full, reduced=False)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
