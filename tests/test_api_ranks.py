@@ -154,6 +154,44 @@ def test_sync_batch_norm_equals_batch_norm_on_the_global_batch(tmp_path):
             assert torch.allclose(torch.tensor(got["running_var"]), bn.running_var, atol=1e-5)
 
 
+SYNC_BN_OFFSET = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+sizes = [2 + k for k in range(P)]  # uneven batches
+g = torch.Generator().manual_seed(9)
+full = torch.randn(sum(sizes), 3, 6, generator=g) + 1000.0  # large mean, unit spread
+start = sum(sizes[:r])
+mine = full[start:start + sizes[r]].clone().requires_grad_(True)
+bn = hvd.SyncBatchNorm(3)
+out = bn(mine)
+out.pow(2).sum().backward()
+report({"out": out.detach().tolist(), "grad_in": mine.grad.tolist(),
+        "running_var": bn.running_var.tolist(), "start": start})
+'''
+
+
+def test_sync_batch_norm_keeps_its_precision_when_the_mean_is_large(tmp_path):
+    # Sums of x and x*x cancel in float32 at a mean of 1000 (the outputs were off by 0.14).
+    import torch
+
+    P = 3
+    results = run_ranks(P, SYNC_BN_OFFSET, tmp_path, timeout=60)
+    sizes = [2 + k for k in range(P)]
+    g = torch.Generator().manual_seed(9)
+    full = (torch.randn(sum(sizes), 3, 6, generator=g) + 1000.0).double().requires_grad_(True)
+    bn = torch.nn.BatchNorm1d(3).double()
+    out = bn(full)
+    out.pow(2).sum().backward()
+    for r, got in enumerate(results):
+        part = slice(got["start"], got["start"] + sizes[r])
+        assert torch.allclose(torch.tensor(got["out"]).double(), out[part], atol=2e-4)
+        assert torch.allclose(torch.tensor(got["grad_in"]).double(), full.grad[part], atol=2e-3)
+        assert torch.allclose(torch.tensor(got["running_var"]).double(), bn.running_var,
+                              rtol=1e-4)
+
+
 IDLE = r'''
 import time, torch
 import fusionring.torch as hvd
