@@ -6,8 +6,9 @@ over these values; the rest of the library asks :func:`settings` and never reads
 ``os.environ`` itself.
 
 Horovod's documented variables for the same knobs (``HOROVOD_FUSION_THRESHOLD``,
-``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``, the stall check's) are honoured too, so a
-Horovod job's environment keeps its meaning; where both are set, ``FUSIONRING_*`` wins.
+``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``, the stall check's, ``HOROVOD_CACHE_CAPACITY``)
+are honoured too, so a Horovod job's environment keeps its meaning; where both are set,
+``FUSIONRING_*`` wins.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ HOROVOD_VARIABLES = {
     "TIMELINE_MARK_CYCLES": "HOROVOD_TIMELINE_MARK_CYCLES",
     "STALL_WARNING_S": "HOROVOD_STALL_CHECK_TIME_SECONDS",
     "STALL_SHUTDOWN_S": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    "CACHE_CAPACITY": "HOROVOD_CACHE_CAPACITY",
 }
 
 
@@ -46,7 +48,9 @@ def _read(name: str, default, cast):
     try:
         return cast(raw)
     except ValueError as exc:
-        raise ValueError(f"{variable}={raw!r} is not a valid {cast.__name__}") from exc
+        if cast in (int, float):
+            raise ValueError(f"{variable}={raw!r} is not a valid {cast.__name__}") from exc
+        raise ValueError(f"{variable}={raw!r}: {exc}") from exc
 
 
 def _optional_seconds(raw: str) -> Optional[float]:
@@ -110,6 +114,10 @@ class Settings:
     # the host's cores when ranks would otherwise oversubscribe them (unless OMP_NUM_THREADS
     # or MKL_NUM_THREADS says otherwise); "off" leaves torch alone; a number sets it.
     torch_threads: str = "auto"
+    # How many operation names the negotiation keeps cached (each is a bit of every cycle's
+    # allreduce); beyond it the least recently ready name is dropped and, if used again,
+    # negotiated again in full. 0: cache nothing.
+    cache_capacity: int = 16384
 
 
 def _from_environment() -> Settings:
@@ -132,7 +140,18 @@ def _from_environment() -> Settings:
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
         mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
         torch_threads=_read("TORCH_THREADS", d.torch_threads, _threads),
+        cache_capacity=_read("CACHE_CAPACITY", d.cache_capacity, _count),
     )
+
+
+def _count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"expected a whole number of 0 or more, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"expected a count of 0 or more, got {raw!r}")
+    return value
 
 
 def _threads(raw: str) -> str:

@@ -32,6 +32,13 @@ def _as_float(value: str) -> str:
     return str(float(value))
 
 
+def _as_count(value: str) -> str:
+    count = int(value)
+    if count < 0:
+        raise ValueError(value)
+    return str(count)
+
+
 # option -> (the FUSIONRING_* variable set on every rank, how the value is converted). Horovod
 # takes the fusion threshold in MiB; fusionring's variable is in bytes.
 SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
@@ -40,6 +47,7 @@ SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
     "--timeline-filename": ("FUSIONRING_TIMELINE", str),
     "--stall-check-warning-time-seconds": ("FUSIONRING_STALL_WARNING_S", _as_float),
     "--stall-check-shutdown-time-seconds": ("FUSIONRING_STALL_SHUTDOWN_S", _as_float),
+    "--cache-capacity": ("FUSIONRING_CACHE_CAPACITY", _as_count),
 }
 
 # Switches that set fusionring variables (or restore the default, which is nothing to set).
@@ -47,6 +55,7 @@ SWITCHES: Dict[str, Dict[str, str]] = {
     "--no-stall-check": {"FUSIONRING_STALL_WARNING_S": "0", "FUSIONRING_STALL_SHUTDOWN_S": "0"},
     "--stall-check": {},
     "--timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "1"},
+    "--disable-cache": {"FUSIONRING_CACHE_CAPACITY": "0"},
     "--no-timeline-mark-cycles": {},
 }
 
@@ -65,9 +74,7 @@ _HIERARCHICAL = "fusionring's ring spans all ranks; it has no hierarchical mode"
 # follow, why it changes nothing; "" when it asks for what fusionring does anyway, said nothing of).
 NO_EFFECT: Dict[str, Tuple[int, str]] = {
     "--mpi": (0, ""),
-    "--disable-cache": (0, ""),
     "--start-timeout": (1, "fusionrun makes no checks of its own before mpiexec starts the ranks"),
-    "--cache-capacity": (1, "fusionring keeps every tensor name it has agreed on"),
     "--hierarchical-allreduce": (0, _HIERARCHICAL),
     "--no-hierarchical-allreduce": (0, ""),
     "--hierarchical-allgather": (0, _HIERARCHICAL),

@@ -13,6 +13,7 @@ once every rank has joined and nothing is pending anywhere.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -250,7 +251,7 @@ class Negotiator:
     """Runs the per-cycle agreement on a dedicated communicator (background thread only)."""
 
     def __init__(self, comm, stall_warning_s: Optional[float],
-                 stall_shutdown_s: Optional[float], core) -> None:
+                 stall_shutdown_s: Optional[float], core, cache_capacity: int = 16384) -> None:
         self._comm = comm
         # The core's AND-allreduce waits as the runtime's wait policy says, GIL released.
         self._core = core
@@ -258,8 +259,12 @@ class Negotiator:
         self.size = comm.Get_size()
         self._stall_warning_s = stall_warning_s
         self._stall_shutdown_s = stall_shutdown_s
-        self._cache: Dict[str, _CacheEntry] = {}
+        # Names in the order they were last ready, the least recent first. Every rank sees
+        # the same ready lists in the same order, so every rank keeps the same cache and
+        # drops the same name when it is full.
+        self._cache: "collections.OrderedDict[str, _CacheEntry]" = collections.OrderedDict()
         self._names_by_id: List[str] = []
+        self._capacity = cache_capacity
         self.full_exchanges = 0
         self.cycles = 0
         self._rank_words = (self.size + 63) // 64
@@ -345,6 +350,7 @@ class Negotiator:
             low = ready_bits & -ready_bits
             name = self._names_by_id[low.bit_length() - 1]
             entry = self._cache[name]
+            self._cache.move_to_end(name)
             outcome.ready.append(Ready(name, entry.first_dims, entry.spec))
             ready_bits ^= low
         return outcome
@@ -395,12 +401,20 @@ class Negotiator:
                 continue
             spec = specs.get(item.name, item.spec)
             entry = self._cache.get(item.name)
-            if entry is None:
+            if entry is not None:  # same name, new spec agreed by every rank: keep the id
+                entry.spec, entry.first_dims = spec, item.first_dims
+                self._cache.move_to_end(item.name)
+            elif len(self._names_by_id) < self._capacity:
                 entry = _CacheEntry(len(self._names_by_id), spec, item.first_dims)
                 self._names_by_id.append(item.name)
                 self._cache[item.name] = entry
-            else:  # same name, new spec agreed by every rank: keep the id
-                entry.spec, entry.first_dims = spec, item.first_dims
+            elif self._capacity:
+                # Full: the least recently ready name gives up its id. A rank that still has
+                # it pending finds it uncached next cycle and negotiates it in full.
+                _, dropped = self._cache.popitem(last=False)
+                entry = _CacheEntry(dropped.cache_id, spec, item.first_dims)
+                self._names_by_id[entry.cache_id] = item.name
+                self._cache[item.name] = entry
         decided.flush, decided.all_idle = outcome.flush, outcome.all_idle
         decided.joined_ranks = outcome.joined_ranks
         decided.join_done, decided.last_joined = outcome.join_done, outcome.last_joined

@@ -171,7 +171,8 @@ class Runtime:
                 core.set_wait_policy(_SPIN_BEFORE_SLEEP_US, self.config.mpi_wait_sleep_us)
         self._shm = self._shared_memory()
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
-                                      self.config.stall_shutdown_s, control_core)
+                                      self.config.stall_shutdown_s, control_core,
+                                      cache_capacity=self.config.cache_capacity)
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._group_labels = itertools.count()

@@ -297,3 +297,36 @@ def test_complex_tensors_reduce_as_their_parts(np_, tmp_path):
         assert "Adasum" in errors["Adasum"] and "complex128" in errors["Adasum"]
         assert "'mixed'" in errors["mixed"] and "complex128" in errors["mixed"] and \
             "float64" in errors["mixed"]
+
+
+NAME_CACHE = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring import runtime as _rt
+hvd.init()
+r, size = hvd.rank(), hvd.size()
+negotiator = _rt.get()._negotiator
+ok = True
+exchanges = []
+for step in range(60):
+    # A name used once per step (as f"loss.{step}" would be) and two used every step.
+    for name in (f"once.{step}", "every.a", "every.b"):
+        got = hvd.allreduce(torch.full((3,), float(r + step)), name=name, op=hvd.Sum)
+        ok &= bool(torch.all(got == sum(k + step for k in range(size))))
+    exchanges.append(hvd.communication_stats()["full_exchanges"])
+report({"ok": ok, "cached": len(negotiator._names_by_id),
+        "names": sorted(negotiator._cache),
+        # After the first steps, only the new name of each step needs a full exchange.
+        "late_exchanges_per_step": (exchanges[-1] - exchanges[29]) / 30})
+'''
+
+
+def test_the_name_cache_keeps_the_recent_names_within_its_capacity(tmp_path):
+    results = run_ranks(2, NAME_CACHE, tmp_path, timeout=90,
+                        env={"FUSIONRING_CACHE_CAPACITY": "8"})
+    for result in results:
+        assert result["ok"]
+        assert result["cached"] == 8                       # bounded, however many names came
+        assert {"allreduce.every.a", "allreduce.every.b"} <= set(result["names"])
+        assert result["late_exchanges_per_step"] == 1.0   # recurring names stay cached
+    assert results[0]["names"] == results[1]["names"]     # every rank keeps the same cache

@@ -53,6 +53,14 @@ def test_fusionring_variable_wins_over_horovods(env):
     assert s.fusion_threshold_bytes == 1024 and s.cycle_time_ms == 2.0
 
 
+def test_cache_capacity_from_either_name(env):
+    assert env().cache_capacity == 16384
+    assert env(HOROVOD_CACHE_CAPACITY="1024").cache_capacity == 1024
+    assert env(HOROVOD_CACHE_CAPACITY="1024", FUSIONRING_CACHE_CAPACITY="0").cache_capacity == 0
+    with pytest.raises(ValueError, match="FUSIONRING_CACHE_CAPACITY='-3'"):
+        env(FUSIONRING_CACHE_CAPACITY="-3")
+
+
 def test_horovod_zero_threshold_turns_fusion_off(env):
     assert env(HOROVOD_FUSION_THRESHOLD="0").fusion_threshold_bytes == 0
 

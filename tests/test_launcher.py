@@ -413,7 +413,7 @@ def test_the_ssh_wrapper_hands_port_and_identity_to_ssh(tmp_path, monkeypatch):
     (["--start-timeout", "30"], "no checks of its own"),
     (["--log-level", "DEBUG"], "no log levels"),
     (["--num-nccl-streams", "2"], "no NCCL transport"),
-    (["--mpi", "--disable-cache", "--log-without-timestamp", "--stall-check"], None),
+    (["--mpi", "--log-without-timestamp", "--stall-check"], None),
 ])
 def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpiexec, option, note):
     mpich = fake_mpiexec(MPICH_VERSION)
@@ -426,8 +426,20 @@ def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpie
         assert f"fusionrun: ignoring horovodrun's {option[0]}: " in done.stderr and note in done.stderr
 
 
+@pytest.mark.parametrize("option, variable", [
+    (["--cache-capacity", "512"], "FUSIONRING_CACHE_CAPACITY=512"),
+    (["--disable-cache"], "FUSIONRING_CACHE_CAPACITY=0"),
+])
+def test_horovodrun_cache_options_size_the_negotiation_cache(fake_mpiexec, option, variable):
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "--dry-run", "-np", "2", *option, "python", "t.py")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert shlex.split(done.stdout.strip()) == [variable, mpich, "-n", "2", "python", "t.py"]
+
+
 @pytest.mark.parametrize("option, message", [
     (["--gloo"], "MPI processes started by mpiexec"),
+    (["--cache-capacity", "-1"], "--cache-capacity needs a number"),
     (["--jsrun"], "drop --jsrun"),
     (["--min-np", "2", "--max-np", "4"], "elastic launches are not supported"),
     (["--host-discovery-script", "d.sh"], "elastic launches are not supported"),
@@ -477,14 +489,14 @@ def test_a_horovodrun_config_file_sets_what_its_options_would(fake_mpiexec, tmp_
     assert done.returncode == 0, done.stderr
     words = shlex.split(done.stdout.strip())
     assert words == ["FUSIONRING_FUSION_THRESHOLD=33554432", "FUSIONRING_CYCLE_TIME_MS=10.0",
-                     "FUSIONRING_TIMELINE=timeline.json", "FUSIONRING_TIMELINE_MARK_CYCLES=1",
+                     "FUSIONRING_CACHE_CAPACITY=2048", "FUSIONRING_TIMELINE=timeline.json", "FUSIONRING_TIMELINE_MARK_CYCLES=1",
                      "FUSIONRING_STALL_WARNING_S=120.0", "FUSIONRING_STALL_SHUTDOWN_S=240.0",
                      mpich, "-n", "2", "python", "t.py"]
     # One note per setting that changes nothing, in the file's own words; none for false
     # switches, autotuning's own settings or hide_timestamp.
     notes = [line.split(": ", 1)[1] for line in done.stderr.splitlines()]
     assert [note.split(" in ")[0] for note in notes] == [
-        "ignoring params.cache_capacity", "ignoring params.hierarchical_allreduce",
+        "ignoring params.hierarchical_allreduce",
         "ignoring autotune.enabled", "ignoring library_options.mpi_threads_disable",
         "ignoring library_options.num_nccl_streams", "ignoring logging.level"]
     assert all(f" in {config}: " in note for note in notes)
