@@ -395,6 +395,7 @@ def _print_help() -> int:
           "  --hostfile FILE              one host per line: HOST slots=N (or HOST:N)\n"
           "  --fusion-threshold-mb MB     FUSIONRING_FUSION_THRESHOLD (in bytes)\n"
           "  --cycle-time-ms MS           FUSIONRING_CYCLE_TIME_MS\n"
+          "  --cache-capacity N, --disable-cache  FUSIONRING_CACHE_CAPACITY (N, or 0)\n"
           "  --timeline-filename PATH     FUSIONRING_TIMELINE\n"
           "  --timeline-mark-cycles       FUSIONRING_TIMELINE_MARK_CYCLES=1\n"
           "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"
@@ -409,7 +410,7 @@ def _print_help() -> int:
           "  --verbose                    print the mpiexec command before running it\n"
           "  --config-file FILE           horovodrun's YAML settings (the command line wins)\n"
           "  -cb/--check-build, -v/--version   report and exit\n"
-          "  --mpi, --disable-cache and options for parts fusionring lacks (autotuning,\n"
+          "  --mpi and options for parts fusionring lacks (autotuning,\n"
           "  hierarchical allreduce, NCCL streams, log levels, ...) are accepted with a note;\n"
           "  --gloo, --jsrun and elastic options stop the launch with the reason.")
     return 0

@@ -270,11 +270,11 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor
     return _rt.real_view(host) if reduced else host
 
 
-def _check_complex_op(tensor: torch.Tensor, what: str, op: ReduceOp) -> None:
+def _check_complex_op(tensor: torch.Tensor, op: ReduceOp, kind: str, name: Optional[str]) -> None:
     # Summing the parts is summing the numbers; an order or a product of them is not partwise.
     if tensor.is_complex() and op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise ValueError(f"{what}: op={op.name} is not defined for complex tensors "
-                         f"({_rt.dtype_name(tensor.dtype)}); use Sum or Average")
+        raise ValueError(f"{_described(kind, name)}: op={op.name} is not defined for complex "
+                         f"tensors ({_rt.dtype_name(tensor.dtype)}); use Sum or Average")
 
 
 def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -288,7 +288,7 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
     host = _host(tensor, name or full)
-    _check_complex_op(tensor, f"allreduce '{name or full}'", reduce_op)
+    _check_complex_op(tensor, reduce_op, "allreduce", name or full)
     if reduce_op == ReduceOp.Adasum:
         _check_adasum(tensor, name or full, runtime.size, compression)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
@@ -787,7 +787,7 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     host = _host(tensor, name if name is not None else "(unnamed)")
     if tensor.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
-    _check_complex_op(tensor, what, reduce_op)
+    _check_complex_op(tensor, reduce_op, "reducescatter", name)
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     spec = TensorSpec("reducescatter", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
                       op=reduce_op.name, prescale=float(prescale_factor),
