@@ -32,9 +32,14 @@ MIN_AUTO_BUFFER_BYTES = 64 * KIB
 MAX_AUTO_BUFFER_BYTES = 64 * MIB
 
 # Default link model (per message latency, bytes per second), turned into a ring-allreduce cost
-# by CostModel.ring_default. With two ranks it gives alpha = 30 us and 1 GB/s.
+# by CostModel.ring_default. With two ranks it gives alpha = 30 us + REQUEST_OVERHEAD_S and 1 GB/s.
 DEFAULT_LINK_LATENCY_S = 15e-6
 DEFAULT_LINK_BANDWIDTH_BYTES_PER_S = 1e9
+# What each fused buffer costs fusionring itself, whatever the links: submitting it, agreeing on
+# it in a cycle and completing it, in Python beside the training thread. Measured in training at
+# 2 ranks with a core each (scripts/bench_fusion.py, plans of 48, 16 and 7 groups of one model):
+# 66-110 us per group more than the ring's own latency there (5-10 us).
+REQUEST_OVERHEAD_S = 60e-6
 
 # The variance refinement builds (n+1)^2 matrices and runs k passes over them (2000 tensors in 100
 # groups: about 2 s and 150 MB); past these limits a greedy min-max partition is used instead.
@@ -76,11 +81,12 @@ class CostModel:
 
     @classmethod
     def ring_default(cls, world_size: Optional[int] = None) -> "CostModel":
-        """Ring allreduce over default links: 2(N-1) latencies, 2(N-1)/N of the bytes per link.
+        """Ring allreduce over default links: 2(N-1) latencies, 2(N-1)/N of the bytes per link,
+        plus fusionring's own cost per buffer (REQUEST_OVERHEAD_S).
 
-        ``world_size`` None is taken as 2 ranks (alpha 30 us, 1 GB/s)."""
+        ``world_size`` None is taken as 2 ranks (alpha 90 us, 1 GB/s)."""
         n = max(2, int(world_size or 2))
-        alpha = 2 * (n - 1) * DEFAULT_LINK_LATENCY_S
+        alpha = 2 * (n - 1) * DEFAULT_LINK_LATENCY_S + REQUEST_OVERHEAD_S
         beta = 2 * (n - 1) / n / DEFAULT_LINK_BANDWIDTH_BYTES_PER_S
         return cls(alpha, beta, "default")
 
@@ -143,22 +149,25 @@ def cost_model_from_probe(probe: Union[None, str, Callable[[int], float], CostMo
                           world_size: Optional[int] = None) -> CostModel:
     """Turn ``make_plan``'s ``probe`` argument into a cost model.
 
-    None: ring defaults for ``world_size``; "mpi": time MPI Allreduce on COMM_WORLD (collective);
-    a callable(bytes) -> seconds: sampled at a few sizes and fitted; a CostModel: used as is."""
+    None: ring defaults for ``world_size``; "mpi": time MPI Allreduce on COMM_WORLD (collective)
+    and add fusionring's own cost per buffer (REQUEST_OVERHEAD_S); a callable(bytes) -> seconds:
+    sampled at a few sizes and fitted; a CostModel: used as is."""
     if probe is None:
         return CostModel.ring_default(world_size)
     if isinstance(probe, CostModel):
         return probe
-    source = "probe"
     if isinstance(probe, str):
         if probe == "default":
             return CostModel.ring_default(world_size)
         if probe != "mpi":
             raise ValueError(f"unknown probe {probe!r}; expected None, 'default', 'mpi' or a callable")
-        probe = mpi_allreduce_probe()
-        source = "mpi"
+        timed = mpi_allreduce_probe()
+        fitted = CostModel.fit([(size, float(timed(size))) for size in PROBE_SIZES_BYTES],
+                               source="mpi")
+        # MPI's collective alone: each of fusionring's buffers also pays its own handling.
+        return CostModel(fitted.alpha_s + REQUEST_OVERHEAD_S, fitted.beta_s_per_byte, "mpi")
     samples = [(size, float(probe(size))) for size in PROBE_SIZES_BYTES]
-    return CostModel.fit(samples, source=source)
+    return CostModel.fit(samples, source="probe")
 
 
 def choose_buffer_bytes(total_bytes: int, cost: CostModel, *, max_overhead: float = 0.05,

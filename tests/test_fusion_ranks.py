@@ -1,5 +1,6 @@
 """Plan-based fusion inside training: groups fused as planned, reproducible, observable."""
 import json
+import re
 
 import pytest
 import torch
@@ -85,10 +86,12 @@ def test_timeline_has_a_span_per_group_and_phase(tmp_path):
     _train(2, 8192, tmp_path / "plan", env={"FUSIONRING_TIMELINE": str(path),
                                             "FUSIONRING_SHARED_MEMORY": "off"})
     events = json.loads(path.read_text())
+    # Each group is submitted and negotiated as one tensor, named for its members.
     lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    group_lane = re.compile(r"allreduce\.optimizer\.\d+\.group\d+\[\w[\w.]*\.\.\w[\w.]*\]$")
     group_phases = {e["args"]["phase"] for e in events
-                    if e.get("ph") == "X" and lanes[e["tid"]].startswith("group of")}
-    assert group_phases == {"operation", "reduce"}
+                    if e.get("ph") == "X" and group_lane.match(lanes[e["tid"]])}
+    assert group_phases == {"negotiate", "operation", "reduce"}
 
 
 COMPRESSED_TIMELINE = r'''
@@ -366,7 +369,8 @@ report({"error": error, "kinds": dict(stats.batches_by_kind),
 def test_groups_refused_on_every_rank_leave_the_next_optimizer_working(tmp_path):
     for out in run_ranks(2, BAD_GROUPS_THEN_GOOD, tmp_path, timeout=60):
         assert out["error"] is not None and "overlap" in out["error"]
-        assert out["groups"] == [["allreduce.b.weight", "allreduce.b.bias"]]
+        # The group travels as one tensor, named for its members.
+        assert out["groups"] == [["allreduce.optimizer.0.group0[b.weight..b.bias]"]]
         assert out["kinds"] == {"plan": 1}
 
 
@@ -392,3 +396,102 @@ def test_timeline_is_readable_while_the_job_runs(tmp_path):
         assert needle in text, needle
     events = json.loads(text.rstrip().rstrip(",") + "]")  # not closed until the end
     assert any(e["name"] == "ALLREDUCE" and e["args"]["phase"] == "operation" for e in events)
+
+
+GROUPS_AS_UNITS = r'''
+import copy, torch
+import torch.nn as nn
+import fusionring.torch as hvd
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+        self.d = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x, idx, use_b):
+        h = torch.tanh(self.a(x + self.emb(idx)))
+        if use_b:
+            h = torch.tanh(self.b(h))
+        return (self.c(h).double() * self.d).pow(2).mean()
+
+def batch(rank, step, micro):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(5, 4, generator=g), torch.randint(0, 10, (5,), generator=g)
+
+def uses_b(rank, step):
+    return not (rank == 1 and step == 0)   # rank 1 leaves b unused in the first step
+
+model = Net()
+reference = copy.deepcopy(model)
+m = model
+# Group 0 mixes float32, float64 and a sparse gradient; group 1 holds b, unused on a rank.
+groups = [[m.a.weight, m.a.bias, m.emb.weight, m.d], [m.b.weight, m.b.bias, m.c.weight, m.c.bias]]
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), groups=groups,
+                               backward_passes_per_step=2)
+for step in range(3):
+    opt.zero_grad()
+    for micro in range(2):
+        x, idx = batch(R, step, micro)
+        model(x, idx, uses_b(R, step)).backward()
+    opt.step()
+
+# The same steps in one process: every rank's accumulated gradients, averaged.
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+for step in range(3):
+    total = [torch.zeros_like(p) for p in reference.parameters()]
+    for rank in range(N):
+        reference.zero_grad()
+        for micro in range(2):
+            x, idx = batch(rank, step, micro)
+            reference(x, idx, uses_b(rank, step)).backward()
+        for t, p in zip(total, reference.parameters()):
+            if p.grad is not None:
+                t += p.grad.to_dense()
+    for t, p in zip(total, reference.parameters()):
+        p.grad = t / N
+    ref_opt.step()
+
+errors = {n: (p.detach() - q.detach()).abs().max().item()
+          for (n, p), q in zip(model.named_parameters(), reference.parameters())}
+from fusionring import runtime
+
+# Horovod's check: a second backward of a reduced parameter before step() is refused.
+second = nn.Linear(2, 2)
+opt2 = hvd.DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1),
+                                named_parameters=[("s." + n, p) for n, p in second.named_parameters()],
+                                groups=[[second.weight, second.bias]])
+second(torch.ones(1, 2)).sum().backward()
+try:
+    second(torch.ones(1, 2)).sum().backward()
+    refused = None
+except AssertionError as exc:
+    refused = str(exc)
+opt2.synchronize()
+lanes = sorted(name for group in runtime.get().scheduler.groups for name in group)
+report({"errors": errors, "sparse": model.emb.weight.grad.is_sparse, "groups": lanes,
+        "refused": refused})
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_groups_travel_as_one_tensor_each(np_, tmp_path):
+    """Each group's gradients are reduced as one tensor per dtype; sparse gradients in a
+    group go on their own, a parameter unused on one rank contributes zeros, and local
+    accumulation still works: the result is single-process SGD on the averaged gradients."""
+    for out in run_ranks(np_, GROUPS_AS_UNITS, tmp_path, timeout=120):
+        assert max(out["errors"].values()) < 1e-6, out["errors"]
+        assert out["sparse"]  # an Embedding(sparse=True) keeps sparse gradients
+        # One runtime group per unit, named for its members (the sparse one included).
+        assert out["groups"] == ["allreduce.optimizer.0.group0.float32[a.weight..emb.weight]",
+                                 "allreduce.optimizer.0.group0.float64[d]",
+                                 "allreduce.optimizer.0.group1[b.weight..c.bias]",
+                                 "allreduce.optimizer.1.group0[s.weight..s.bias]"]
+        assert out["refused"] is not None and "backward_passes_per_step" in out["refused"]

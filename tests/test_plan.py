@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusionring.plan import (CostModel, Plan, PlanFormatError, PlanMismatchError, balanced_bounds,
-                             choose_buffer_bytes, load_plan, make_plan, partition_sizes)
+from fusionring.plan import (REQUEST_OVERHEAD_S, CostModel, Plan, PlanFormatError,
+                             PlanMismatchError, balanced_bounds, choose_buffer_bytes, load_plan,
+                             make_plan, partition_sizes)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,8 +177,10 @@ def test_buffer_size_is_clamped():
 
 def test_ring_default_cost_grows_with_the_number_of_ranks():
     two, eight = CostModel.ring_default(None), CostModel.ring_default(8)
-    assert two.alpha_s == pytest.approx(30e-6) and two.beta_s_per_byte == pytest.approx(1e-9)
-    assert eight.alpha_s == pytest.approx(7 * two.alpha_s)
+    # 2(N-1) link latencies of 15 us, plus fusionring's own cost per buffer.
+    assert two.alpha_s == pytest.approx(30e-6 + REQUEST_OVERHEAD_S)
+    assert two.beta_s_per_byte == pytest.approx(1e-9)
+    assert eight.alpha_s == pytest.approx(7 * 30e-6 + REQUEST_OVERHEAD_S)
     assert eight.beta_s_per_byte == pytest.approx(1.75 * two.beta_s_per_byte)
 
 

@@ -33,6 +33,44 @@ _TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_st
                        "locally.")
 
 
+def _check_disjoint(groups: List[List[str]]) -> None:
+    """A gradient can travel in one group only (names are wire names, 'allreduce.<param>')."""
+    seen: Dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for name in group:
+            if name in seen:
+                raise ValueError(f"parameter {name.split('.', 1)[1]!r} is in groups {seen[name]} "
+                                 f"and {index}; groups must not overlap")
+            seen[name] = index
+
+
+def _lies_in(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
+
+
+class _Unit:
+    """One fusion group's flat gradient buffer (one per dtype), reduced as a single tensor.
+
+    The group is fixed in advance, so its members are submitted and negotiated as one
+    request once the last of them is ready: the runtime agrees on one name per group instead
+    of one per gradient, which is most of the per-step bookkeeping of a model with many small
+    tensors.
+    """
+
+    __slots__ = ("name", "flat", "members", "ready", "handle")
+
+    def __init__(self, name: str, flat: torch.Tensor, members: List[torch.Tensor]) -> None:
+        self.name = name
+        self.flat = flat
+        self.members = members
+        self.ready: set = set()   # members counted this step
+        self.handle: Optional[int] = None
+
+    def reset(self) -> None:
+        self.ready = set()
+        self.handle = None
+
+
 def _names_of(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.Tensor, str]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
@@ -126,12 +164,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Known groups let each gradient live in its group's fusion buffer, as DDP's
         # gradient_as_bucket_view does: no pack/unpack copies around the reduction.
         self._grad_views: Dict[torch.Tensor, torch.Tensor] = {}
+        self._units: Dict[torch.Tensor, _Unit] = {}
+        self._unit_list: List[_Unit] = []
+        if fusion_groups is not None:
+            _check_disjoint(fusion_groups)
         if fusion_groups is not None and self._compression is Compression.none:
             self._grad_views = self._group_buffers(fusion_groups)
         if self._size > 1:
             if fusion_groups is not None:
                 # One label per optimizer, so a GAN's two optimizers each keep their groups.
-                runtime.set_fusion_groups(fusion_groups, label=runtime.new_group_label())
+                label = runtime.new_group_label()
+                if self._grad_views and not self._adasum:
+                    fusion_groups = self._make_units(fusion_groups, label)
+                runtime.set_fusion_groups(fusion_groups, label=label)
             self._register_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -175,10 +220,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _group_buffers(self, fusion_groups: List[List[str]]) -> Dict[torch.Tensor, torch.Tensor]:
         """One flat buffer per group and dtype; each parameter gets a view of its slice, in
-        the group's order (the order the runtime fuses them in)."""
+        the group's order (the order the runtime fuses them in). The buffers are kept, each
+        with its members, in ``self._flats``."""
         by_name = {f"allreduce.{name}": p for p, name in self._parameter_names.items()}
         views: Dict[torch.Tensor, torch.Tensor] = {}
-        for group in fusion_groups:
+        self._flats: List[Tuple[int, torch.Tensor, List[torch.Tensor]]] = []
+        for index, group in enumerate(fusion_groups):
             params = [by_name[n] for n in group if n in by_name]
             for dtype in dict.fromkeys(p.dtype for p in params):
                 members = [p for p in params if p.dtype == dtype and p.device.type == "cpu"
@@ -188,16 +235,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for p in members:
                     views[p] = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
+                if members:
+                    self._flats.append((index, flat, members))
         return views
+
+    def _make_units(self, fusion_groups: List[List[str]], label: str) -> List[List[str]]:
+        """Turn each group's flat buffers into units; returns the runtime's groups: one per
+        unit (its buffer is reduced where it lies) and the members left outside any buffer."""
+        runtime_groups: List[List[str]] = []
+        parts = [index for index, _, _ in self._flats]
+        for index, flat, members in self._flats:
+            names = [self._tensor_name(m) for m in members]
+            span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+            part = f".{flat.dtype}".replace("torch.", "") if parts.count(index) > 1 else ""
+            unit = _Unit(f"{label}.group{index}{part}[{span}]", flat, members)
+            self._unit_list.append(unit)
+            for m in members:
+                self._units[m] = unit
+            runtime_groups.append([f"allreduce.{unit.name}"])
+        by_name = {f"allreduce.{name}": p for p, name in self._parameter_names.items()}
+        for group in fusion_groups:
+            rest = [n for n in group if n not in by_name or by_name[n] not in self._units]
+            if rest:
+                runtime_groups.append(rest)
+        return runtime_groups
 
     def _into_group_buffer(self, p: torch.Tensor) -> None:
         view = self._grad_views.get(p)
         grad = p.grad
-        if (view is None or grad is None or grad.data_ptr() == view.data_ptr()
-                or grad.layout != torch.strided or grad.shape != view.shape
+        if (view is None or grad is None or grad.layout != torch.strided
+                or grad.data_ptr() == view.data_ptr() or grad.shape != view.shape
                 or grad.dtype != view.dtype):
-            return
-        with torch.no_grad():
+            return  # a sparse gradient cannot live in the buffer (nor has it a data pointer)
+        if grad.requires_grad:  # backward(create_graph=True): the copy must not be recorded
+            with torch.no_grad():
+                view.copy_(grad)
+        else:
             view.copy_(grad)
         p.grad = view  # later backwards accumulate into the buffer in place
 
@@ -207,6 +280,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradient flow
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        unit = self._units.get(p)
+        if unit is not None:
+            # Runs for every gradient of every step: kept to a few lookups.
+            delay = self._allreduce_delay[p]
+            if delay <= 0:
+                raise AssertionError(_TOO_MANY_BACKWARDS)
+            if p.grad is not self._grad_views[p]:
+                self._into_group_buffer(p)
+            self._allreduce_delay[p] = delay - 1
+            if p not in self._handles:
+                self._handles[p] = (None, unit)
+            if delay == 1:
+                self._unit_member_ready(unit, p)
+            return
         self._into_group_buffer(p)
         if p in self._handles and self._handles[p][0] is not None:
             if self._allreduce_delay[p] <= 0:
@@ -216,6 +303,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._allreduce_delay[p] == 0:
             handle, ctx = self._allreduce_grad_async(p)
         self._handles[p] = (handle, ctx)
+
+    def _unit_member_ready(self, unit: _Unit, p: torch.Tensor) -> None:
+        """Count `p` in its unit, and submit the unit when it was the last member."""
+        if p in unit.ready:
+            return
+        view = self._grad_views[p]
+        grad = p.grad
+        if grad is None:
+            with torch.no_grad():
+                p.grad = view.zero_()
+        elif grad is not view and not _lies_in(grad, view):
+            # A gradient that cannot live in the buffer (a sparse one) goes on its own, and
+            # its slice is zeroed so the unit's content is the same on every rank.
+            self._handles[p] = self._allreduce_grad_async(p)
+            with torch.no_grad():
+                view.zero_()
+        unit.ready.add(p)
+        if len(unit.ready) == len(unit.members):
+            prescale, postscale = self._scale_factors()
+            with _rt.using(self._set_runtime):
+                unit.handle = F.allreduce_async_(unit.flat, name=unit.name, op=self._op,
+                                                 prescale_factor=prescale,
+                                                 postscale_factor=postscale)
+
+    def _scale_factors(self) -> Tuple[float, float]:
+        # Horovod's split of Average around the sum: divide by f before, multiply by f after.
+        if self._op == ReduceOp.Average:
+            return 1.0 / self._gradient_predivide_factor, self._gradient_predivide_factor
+        return 1.0, 1.0
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         with _rt.using(self._set_runtime):
@@ -231,10 +347,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return F.sparse_allreduce_async(grad, name=self._tensor_name(p),
                                                 op=self._op), _SPARSE
             grad = grad.to_dense()  # reduced dense; the result goes back sparse
-        prescale, postscale = 1.0, 1.0
-        if self._op == ReduceOp.Average:
-            prescale = 1.0 / self._gradient_predivide_factor
-            postscale = self._gradient_predivide_factor
+        prescale, postscale = self._scale_factors()
         if getattr(self._compression, "in_runtime", False):
             # The compressor reduces the fused buffer itself; its decompress(x, None) is x.
             handle = F.allreduce_async_(grad, name=self._tensor_name(p), op=self._op,
@@ -301,12 +414,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._into_group_buffer(p)
-                self._handles[p] = self._allreduce_grad_async(p)
+                unit = self._units.get(p)
+                if unit is not None:
+                    self._handles[p] = (None, unit)
+                    self._unit_member_ready(unit, p)
+                else:
+                    self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in list(self._handles.items()):
-            if handle is None:
+            if isinstance(ctx, _Unit):
+                self._unit_member_ready(ctx, p)  # accumulating still: sent as it is
+            elif handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         errors = []
         for p, (handle, ctx) in self._handles.items():
+            if isinstance(ctx, _Unit):
+                if ctx.handle is not None:
+                    try:
+                        F.synchronize(ctx.handle)  # in place: the members' grads are views
+                    except Exception as exc:  # noqa: BLE001 - release every handle, then raise
+                        errors.append(exc)
+                    ctx.handle = None
+                view = self._grad_views[p]
+                grad = p.grad
+                if grad is not view and grad is not None and not _lies_in(grad, view):
+                    with torch.no_grad():
+                        p.grad.copy_(view)  # the gradient was replaced after backward
+                continue
             try:
                 output = F.synchronize(handle)
             except Exception as exc:  # noqa: BLE001 - release every handle, then raise
@@ -337,6 +470,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     p.grad.copy_(result)
         self._handles.clear()
+        for unit in self._unit_list:
+            unit.reset()
         self._reset_delays()
         self._synchronized = True
         if errors:
