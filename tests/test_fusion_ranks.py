@@ -495,3 +495,59 @@ def test_groups_travel_as_one_tensor_each(np_, tmp_path):
                                  "allreduce.optimizer.0.group1[b.weight..c.bias]",
                                  "allreduce.optimizer.1.group0[s.weight..s.bias]"]
         assert out["refused"] is not None and "backward_passes_per_step" in out["refused"]
+
+
+FP16_GROUPS = r'''
+import copy, torch
+import torch.nn as nn
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+reference = copy.deepcopy(model)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                               named_parameters=model.named_parameters(), groups=2,
+                               compression=hvd.Compression.fp16)
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 6, generator=g)
+
+stats = runtime.get().stats
+before = stats.allreduce_bytes
+for step in range(3):
+    opt.zero_grad()
+    model(batch(R, step)).pow(2).mean().backward()
+    opt.step()
+sent = stats.allreduce_bytes - before
+
+# One process: every rank's gradients, each rounded to float16 as the wire does, averaged.
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+for step in range(3):
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in reference.parameters()]
+    for rank in range(N):
+        reference.zero_grad()
+        reference(batch(rank, step)).pow(2).mean().backward()
+        for t, p in zip(total, reference.parameters()):
+            t += p.grad.half().double()
+    for t, p in zip(total, reference.parameters()):
+        p.grad = (t / N).float()
+    ref_opt.step()
+error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+numel = sum(p.numel() for p in model.parameters())
+report({"error": error, "sent": sent, "fp32_bytes": 3 * numel * 4,
+        "groups": sorted(n for g in runtime.get().scheduler.groups for n in g)})
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_fp16_compresses_each_group_buffer_whole(np_, tmp_path):
+    """With Compression.fp16 a group's buffer travels as one float16 tensor: half the bytes,
+    and the averaged float16 gradients of a single-process reference."""
+    for out in run_ranks(np_, FP16_GROUPS, tmp_path, timeout=120):
+        assert out["error"] < 1e-4, out["error"]
+        assert out["sent"] == out["fp32_bytes"] // 2
+        assert out["groups"] == ["allreduce.optimizer.0.group0[0.weight..2.weight]",
+                                 "allreduce.optimizer.0.group1[2.bias..4.bias]"]

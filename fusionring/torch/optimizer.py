@@ -57,7 +57,7 @@ class _Unit:
     tensors.
     """
 
-    __slots__ = ("name", "flat", "members", "ready", "handle")
+    __slots__ = ("name", "flat", "members", "ready", "handle", "wire", "ctx")
 
     def __init__(self, name: str, flat: torch.Tensor, members: List[torch.Tensor]) -> None:
         self.name = name
@@ -65,6 +65,8 @@ class _Unit:
         self.members = members
         self.ready: set = set()   # members counted this step
         self.handle: Optional[int] = None
+        self.wire: Optional[torch.Tensor] = None  # the compressed buffer, reused every step
+        self.ctx = None
 
     def reset(self) -> None:
         self.ready = set()
@@ -168,7 +170,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unit_list: List[_Unit] = []
         if fusion_groups is not None:
             _check_disjoint(fusion_groups)
-        if fusion_groups is not None and self._compression is Compression.none:
+        # Compressors that act element by element can compress a group's buffer as a whole.
+        if fusion_groups is not None and self._compression in (Compression.none,
+                                                                Compression.fp16):
             self._grad_views = self._group_buffers(fusion_groups)
         if self._size > 1:
             if fusion_groups is not None:
@@ -321,11 +325,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 view.zero_()
         unit.ready.add(p)
         if len(unit.ready) == len(unit.members):
-            prescale, postscale = self._scale_factors()
-            with _rt.using(self._set_runtime):
-                unit.handle = F.allreduce_async_(unit.flat, name=unit.name, op=self._op,
-                                                 prescale_factor=prescale,
-                                                 postscale_factor=postscale)
+            self._submit_unit(unit)
+
+    def _submit_unit(self, unit: _Unit) -> None:
+        payload = unit.flat
+        if self._compression is not Compression.none:
+            started = time.perf_counter()
+            if unit.wire is None:
+                unit.wire, unit.ctx = self._compression.compress(unit.flat)
+            elif unit.wire is not unit.flat:
+                with torch.no_grad():
+                    unit.ctx = self._compression.compress_into(unit.flat, unit.wire)
+            payload = unit.wire
+            F.trace_compression(self._compression, unit.name, "compress", started,
+                                runtime=self._set_runtime)
+        prescale, postscale = self._scale_factors()
+        with _rt.using(self._set_runtime):
+            unit.handle = F.allreduce_async_(payload, name=unit.name, op=self._op,
+                                             prescale_factor=prescale,
+                                             postscale_factor=postscale)
+
+    def _finish_unit(self, unit: _Unit) -> None:
+        """Wait for the unit's reduction; its members' gradients are views of the buffer."""
+        try:
+            F.synchronize(unit.handle)
+        finally:
+            unit.handle = None
+        if unit.wire is not None and unit.wire is not unit.flat:
+            started = time.perf_counter()
+            with torch.no_grad():
+                self._compression.decompress_into(unit.wire, unit.ctx, unit.flat)
+            F.trace_compression(self._compression, unit.name, "decompress", started,
+                                runtime=self._set_runtime)
 
     def _scale_factors(self) -> Tuple[float, float]:
         # Horovod's split of Average around the sum: divide by f before, multiply by f after.
@@ -430,10 +461,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if isinstance(ctx, _Unit):
                 if ctx.handle is not None:
                     try:
-                        F.synchronize(ctx.handle)  # in place: the members' grads are views
+                        self._finish_unit(ctx)
                     except Exception as exc:  # noqa: BLE001 - release every handle, then raise
                         errors.append(exc)
-                    ctx.handle = None
                 view = self._grad_views[p]
                 grad = p.grad
                 if grad is not view and grad is not None and not _lies_in(grad, view):
