@@ -45,10 +45,11 @@ def compression_from(name: str):
     raise SystemExit(f"unknown compression {name!r}")
 
 
-def grouping_plan(model: nn.Module, args) -> Plan | None:
-    """Load the plan, or make it on rank 0 and share it (every rank must use the same)."""
-    if args.plan == "none":
-        return None
+def grouping_plan(model: nn.Module, args) -> Plan | str | None:
+    """Load the plan, or make it on rank 0 and share it (every rank must use the same);
+    "auto" lets the optimizer make its groups from the first step."""
+    if args.plan in ("none", "auto"):
+        return None if args.plan == "none" else "auto"
     plan = None
     if hvd.rank() == 0:
         if os.path.exists(args.plan):
@@ -87,7 +88,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compression", default="none", help="none, fp16 or nm2:4")
     parser.add_argument("--plan", default=os.path.join("plans", "digits-mlp.json"),
-                        help="grouping plan path (made if missing) or 'none'")
+                        help="grouping plan path (made if missing), 'auto' (groups learned in "
+                             "the first step) or 'none'")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
 
@@ -126,7 +128,7 @@ def main() -> None:
     samples_per_s = steps_per_epoch * global_batch * args.epochs / elapsed
     if hvd.rank() == 0:
         print(f"ranks={hvd.size()} epochs={args.epochs} compression={args.compression} "
-              f"plan={'none' if plan is None else f'{len(plan.groups)} groups'}")
+              f"plan={plan if plan is None or isinstance(plan, str) else f'{len(plan.groups)} groups'}")
         print(f"samples/s={samples_per_s:.0f} test_accuracy={accuracy * 100:.2f}% "
               f"bytes_sent_per_rank={sent / 1e6:.1f} MB time={elapsed:.1f}s", flush=True)
 

@@ -671,13 +671,14 @@ def _dump_json(value: Any, indent: int = 0) -> str:
 
 def load_plan(source: Union[None, str, os.PathLike, Mapping[str, Any], Plan] = None
               ) -> Optional[Plan]:
-    """A Plan from a path, dict or Plan; None reads ``FUSIONRING_GROUPING_PLAN`` (no plan if unset)."""
+    """A Plan from a path, dict or Plan; None reads ``FUSIONRING_GROUPING_PLAN`` (no plan if unset,
+    or set to ``auto``: then DistributedOptimizer makes its groups from the first step)."""
     if isinstance(source, Plan):
         return source
     if source is None:
         from fusionring.config import settings
         source = settings().grouping_plan_path
-        if source is None:
+        if source is None or source == "auto":
             return None
     return Plan.load(source)
 

@@ -12,10 +12,11 @@ by round, the order rotating, so slow drift of a shared machine hits all of them
 * ``none``: ``hvd.DistributedOptimizer``, FUSIONRING_FUSION_THRESHOLD=0 (one allreduce per tensor);
 * ``threshold``: Horovod-style fusion, the default threshold, 1 ms cycle;
 * ``plan``: ``DistributedOptimizer(grouping_plan=make_plan(model, batch, world_size=N))``, the
-  plan's default buffer rule (a ring over 15 us / 1 GB/s links); ``--plan-buffers auto,mpi,8MiB``
-  adds a plan whose buffer comes from timing MPI_Allreduce on this machine
-  (``make_plan(probe="mpi")``, configuration ``plan@mpi``) and one with an explicit buffer
-  (``plan@8388608``);
+  plan's default buffer rule (a ring over 15 us / 1 GB/s links, plus 60 us per buffer);
+  ``--plan-buffers auto,mpi,learned,8MiB`` adds a plan whose buffer comes from timing
+  MPI_Allreduce on this machine (``make_plan(probe="mpi")``, configuration ``plan@mpi``), the
+  groups the optimizer learns in the first step (``grouping_plan="auto"``, ``plan@learned``) and
+  a plan with an explicit buffer (``plan@8388608``);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo, bucket_cap_mb=25;
 * ``compute``: the same steps without any communication (the floor).
 
@@ -55,6 +56,8 @@ def label(name: str) -> str:
     """Readable name of a configuration ('plan@8388608' -> 'plan-based fusion, 8 MiB buffer')."""
     if name == "plan@mpi":
         return "plan-based fusion, measured cost model"
+    if name == "plan@learned":
+        return "plan-based fusion, learned in the first step"
     if name.startswith("plan@"):
         return f"plan-based fusion, {format_bytes(int(name[5:]))} buffer"
     return LABELS[name]
@@ -64,20 +67,22 @@ def short_label(name: str) -> str:
     """Axis label: 'none', 'threshold', 'plan', 'plan 8 MiB', 'DDP', 'compute'."""
     if name == "plan@mpi":
         return "plan\nmeasured"
+    if name == "plan@learned":
+        return "plan\nlearned"
     if name.startswith("plan@"):
         return f"plan\n{format_bytes(int(name[5:]))}"
     return {"ddp": "DDP", "compute": "compute\nonly"}.get(name, name)
 
 
 def plan_configs(text: str) -> List[str]:
-    """'auto,mpi,8MiB' -> ['plan', 'plan@mpi', 'plan@8388608']."""
+    """'auto,mpi,learned,8MiB' -> ['plan', 'plan@mpi', 'plan@learned', 'plan@8388608']."""
     out = []
     for token in text.split(","):
         token = token.strip()
         if token == "auto":
             out.append("plan")
-        elif token == "mpi":
-            out.append("plan@mpi")
+        elif token in ("mpi", "learned"):
+            out.append(f"plan@{token}")
         elif token:
             out.append(f"plan@{parse_sizes(token)[0]}")
     return out
@@ -167,7 +172,9 @@ def worker(args: argparse.Namespace) -> None:
     configs = [c for c in args.configs.split(",") if c]
     plans, plan_info = {}, {}
     for name in configs:
-        if name.startswith("plan"):
+        if name == "plan@learned":
+            plans[name] = "auto"  # DistributedOptimizer groups from the first step's order
+        elif name.startswith("plan"):
             suffix = name[5:]
             buffer_bytes = int(suffix) if suffix.isdigit() else None
             # "mpi" times MPI_Allreduce on every rank (collective; all ranks fit the same model).
@@ -410,8 +417,9 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"from {', '.join(CONFIGS)}")
     parser.add_argument("--plan-buffers", default="auto",
-                        help="one plan configuration each: auto (the plan's default rule) or a "
-                             "buffer size such as 8MiB")
+                        help="one plan configuration each: auto (the plan's default rule), mpi "
+                             "(probed cost model), learned (grouping_plan='auto') or a buffer "
+                             "size such as 8MiB")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")

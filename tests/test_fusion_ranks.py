@@ -551,3 +551,75 @@ def test_fp16_compresses_each_group_buffer_whole(np_, tmp_path):
         assert out["sent"] == out["fp32_bytes"] // 2
         assert out["groups"] == ["allreduce.optimizer.0.group0[0.weight..2.weight]",
                                  "allreduce.optimizer.0.group1[2.bias..4.bias]"]
+
+
+AUTO_GROUPS = r'''
+import copy, os, torch
+import torch.nn as nn
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+reference = copy.deepcopy(model)
+kwargs = {} if os.environ.get("FUSIONRING_GROUPING_PLAN") else {"grouping_plan": "auto"}
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
+                               named_parameters=model.named_parameters(), **kwargs)
+
+def forward(m, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 6, generator=g)
+    h = m[1](m[0](x))
+    if not (rank == 0 and step == 0):   # rank 0 skips the middle layer in the first step
+        h = m[3](m[2](h))
+    return m[4](h).pow(2).mean()
+
+groups_after, requests = [], []
+stats = runtime.get().stats
+for step in range(4):
+    before = stats.allreduce_tensors
+    opt.zero_grad()
+    forward(model, R, step).backward()
+    opt.step()
+    groups_after.append(sorted(n for g in runtime.get().scheduler.groups for n in g))
+    requests.append(stats.allreduce_tensors - before)
+
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
+for step in range(4):
+    total = [torch.zeros_like(p) for p in reference.parameters()]
+    for rank in range(N):
+        reference.zero_grad()
+        forward(reference, rank, step).backward()
+        for t, p in zip(total, reference.parameters()):
+            if p.grad is not None:
+                t += p.grad
+    for t, p in zip(total, reference.parameters()):
+        p.grad = t / N
+    ref_opt.step()
+error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+import hashlib
+bits = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+report({"error": error, "groups": groups_after, "requests": requests, "bits": bits.hexdigest()})
+'''
+
+
+def test_auto_grouping_learns_rank_zeros_order_in_the_first_step(tmp_path):
+    """grouping_plan="auto" (or FUSIONRING_GROUPING_PLAN=auto) reduces each gradient on its
+    own in the first step, then fuses groups made from rank 0's ready order on every rank.
+    Rank 0 skipped the middle layer in that step, so its two gradients get groups of their
+    own (the other ranks saw them); training equals one process's, bit for bit run to run."""
+    runs = [run_ranks(3, AUTO_GROUPS, tmp_path / "argument", timeout=120),
+            run_ranks(3, AUTO_GROUPS, tmp_path / "environment", timeout=120,
+                      env={"FUSIONRING_GROUPING_PLAN": "auto"})]
+    for outs in runs:
+        for out in outs:
+            assert out["error"] < 1e-6, out["error"]
+            assert out["groups"] == outs[0]["groups"]
+            assert out["bits"] == runs[0][0]["bits"]  # every rank, both runs
+            # One request per gradient in the first step, then one per group.
+            assert out["requests"] == [6, 3, 3, 3], out["requests"]
+        # Rank 0's backward order: the last layer first, the first layer last.
+        assert outs[0]["groups"][1:] == [["allreduce.optimizer.0.group0[4.bias..0.weight]",
+                                          "allreduce.optimizer.0.group1[2.weight]",
+                                          "allreduce.optimizer.0.group2[2.bias]"]] * 3

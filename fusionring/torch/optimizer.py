@@ -105,7 +105,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `gradient_predivide_factor` (split the averaging before/after the sum), `groups`
     (explicit fusion groups: an int or lists of parameters; `num_groups` is its older
     name) and `grouping_plan` (a plan made by ``fusionring plan``: a path or a Plan,
-    fusing gradients in balanced groups). With `process_set`, gradients are averaged
+    fusing gradients in balanced groups; or ``"auto"``: the first step runs with threshold
+    fusion and records the order gradients become ready in, then balanced groups are made
+    from rank 0's order, as ``make_plan`` would, and used from the second step on). With `process_set`, gradients are averaged
     over that set's ranks only (every member wraps its optimizer alike).
     """
 
@@ -162,25 +164,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._last_step_end = time.perf_counter()
         self._slowdown = settings().slowdown_factor
         self._size = runtime.size
-        fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
-        # Known groups let each gradient live in its group's fusion buffer, as DDP's
-        # gradient_as_bucket_view does: no pack/unpack copies around the reduction.
+        self._process_set = process_set
+        # grouping_plan="auto": the gradients in the order they become ready, while the first
+        # step learns it; None otherwise.
+        self._auto_order: Optional[List[torch.Tensor]] = None
         self._grad_views: Dict[torch.Tensor, torch.Tensor] = {}
         self._units: Dict[torch.Tensor, _Unit] = {}
         self._unit_list: List[_Unit] = []
+        fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
         if fusion_groups is not None:
-            _check_disjoint(fusion_groups)
-        # Compressors that act element by element can compress a group's buffer as a whole.
-        if fusion_groups is not None and self._compression in (Compression.none,
-                                                                Compression.fp16):
-            self._grad_views = self._group_buffers(fusion_groups)
+            self._use_groups(fusion_groups, runtime)
+        if self._auto_order is not None:
+            # Until the groups are learned, every gradient is reduced on its own: the first
+            # step's sums then do not depend on which gradients a cycle happened to batch.
+            self._auto_label = runtime.new_group_label()
+            runtime.set_fusion_groups([[f"allreduce.{self._tensor_name(p)}"]
+                                       for p in self._requires_update], label=self._auto_label)
         if self._size > 1:
-            if fusion_groups is not None:
-                # One label per optimizer, so a GAN's two optimizers each keep their groups.
-                label = runtime.new_group_label()
-                if self._grad_views and not self._adasum:
-                    fusion_groups = self._make_units(fusion_groups, label)
-                runtime.set_fusion_groups(fusion_groups, label=label)
             self._register_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -209,6 +209,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         source = grouping_plan if grouping_plan is not None else settings().grouping_plan_path
         if source is None:
             return None
+        if isinstance(source, str) and source == "auto":
+            if self._size > 1 and not self._adasum:
+                self._auto_order = []
+            return None
         from ..plan import load_plan
         from ..scheduler import tensor_groups_from_plan
 
@@ -221,6 +225,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         updated = set(self._requires_update)
         return tensor_groups_from_plan(
             plan, lambda n: f"allreduce.{n}" if n in by_name and by_name[n] in updated else None)
+
+    def _use_groups(self, fusion_groups: List[List[str]], runtime,
+                    label: Optional[str] = None) -> None:
+        """Fuse gradients in these groups (wire names) from now on, on every rank."""
+        _check_disjoint(fusion_groups)
+        # Known groups let each gradient live in its group's fusion buffer, as DDP's
+        # gradient_as_bucket_view does: no pack/unpack copies around the reduction.
+        # Compressors that act element by element can compress a group's buffer as a whole.
+        if self._compression in (Compression.none, Compression.fp16):
+            self._grad_views = self._group_buffers(fusion_groups)
+        if self._size > 1:
+            # One label per optimizer, so a GAN's two optimizers each keep their groups.
+            label = label or runtime.new_group_label()
+            if self._grad_views and not self._adasum:
+                fusion_groups = self._make_units(fusion_groups, label)
+            runtime.set_fusion_groups(fusion_groups, label=label)
+
+    def _learn_groups(self) -> None:
+        """grouping_plan="auto": after the first step, group the gradients as ``make_plan``
+        would, in the order rank 0 saw them ready (one order for every rank)."""
+        from ..plan import CostModel, choose_buffer_bytes, partition_sizes
+
+        seen = [self._tensor_name(p) for p in dict.fromkeys(self._auto_order)]
+        self._auto_order = None
+        root = 0 if self._set_runtime is None else min(self._process_set.ranks)
+        with _rt.using(self._set_runtime):
+            order = F.broadcast_object(seen, root_rank=root, name="grouping_plan.auto.order",
+                                       process_set=self._process_set)
+        by_name = {name: p for p, name in self._parameter_names.items()}
+        updated = set(self._requires_update)
+        params = [by_name[n] for n in order if n in by_name and by_name[n] in updated]
+        sizes = [p.numel() * p.element_size() for p in params]
+        bounds = partition_sizes(sizes, choose_buffer_bytes(
+            sum(sizes), CostModel.ring_default(self._size))) if params else []
+        groups = [params[a:b] for a, b in bounds]
+        # What rank 0 did not see ready (unused there) keeps a group of its own.
+        grouped = set(params)
+        groups += [[p] for p in self._requires_update if p not in grouped]
+        self._use_groups([[f"allreduce.{self._tensor_name(p)}" for p in group] for group in groups],
+                         self._set_runtime or _rt.get("DistributedOptimizer"),
+                         label=self._auto_label)
 
     def _group_buffers(self, fusion_groups: List[List[str]]) -> Dict[torch.Tensor, torch.Tensor]:
         """One flat buffer per group and dtype; each parameter gets a view of its slice, in
@@ -298,6 +343,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if delay == 1:
                 self._unit_member_ready(unit, p)
             return
+        if self._auto_order is not None:
+            self._auto_order.append(p)
         self._into_group_buffer(p)
         if p in self._handles and self._handles[p][0] is not None:
             if self._allreduce_delay[p] <= 0:
@@ -506,6 +553,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if errors:
             raise errors[0]
+        if self._auto_order is not None:
+            self._learn_groups()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
