@@ -497,16 +497,22 @@ def test_groups_travel_as_one_tensor_each(np_, tmp_path):
         assert out["refused"] is not None and "backward_passes_per_step" in out["refused"]
 
 
-FP16_GROUPS = r'''
-import copy, torch
+# A three-layer model on every rank and its single-process twin (WIDTH hidden units).
+SEQUENTIAL_AND_TWIN = r'''
+import copy, os, torch
 import torch.nn as nn
 import fusionring.torch as hvd
 from fusionring import runtime
 hvd.init()
 R, N = hvd.rank(), hvd.size()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+model = nn.Sequential(nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                      nn.Linear(WIDTH, 3))
 reference = copy.deepcopy(model)
+'''
+
+
+FP16_GROUPS = SEQUENTIAL_AND_TWIN.replace("WIDTH", "32") + r'''
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                named_parameters=model.named_parameters(), groups=2,
                                compression=hvd.Compression.fp16)
@@ -553,16 +559,7 @@ def test_fp16_compresses_each_group_buffer_whole(np_, tmp_path):
                                  "allreduce.optimizer.0.group1[2.bias..4.bias]"]
 
 
-AUTO_GROUPS = r'''
-import copy, os, torch
-import torch.nn as nn
-import fusionring.torch as hvd
-from fusionring import runtime
-hvd.init()
-R, N = hvd.rank(), hvd.size()
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
-reference = copy.deepcopy(model)
+AUTO_GROUPS = SEQUENTIAL_AND_TWIN.replace("WIDTH", "64") + r'''
 kwargs = {} if os.environ.get("FUSIONRING_GROUPING_PLAN") else {"grouping_plan": "auto"}
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
                                named_parameters=model.named_parameters(), **kwargs)
