@@ -99,6 +99,9 @@ class Settings:
     ring_segment_bytes: int = 1 << 20
     small_message_bytes: int = 64 * 1024
     slowdown_factor: float = 1.0
+    # Set by fusionrun: a folder where each rank on its host notes its process id, so that a
+    # failed launch can say which rank a process id in MPI's messages was.
+    rank_records_dir: Optional[str] = None
     # "auto": reduce through a shared-memory window when every rank shares this host (and
     # MPI is not told to avoid shared memory); "on": require it; "off": MPI transport only.
     shared_memory: str = "auto"
@@ -135,6 +138,7 @@ def _from_environment() -> Settings:
         ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, int),
         small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, int),
         slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, float),
+        rank_records_dir=_read("RANK_RECORDS", d.rank_records_dir, str),
         shared_memory=_read("SHARED_MEMORY", _shared_memory_default(d.shared_memory), _mode),
         shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),

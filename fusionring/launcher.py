@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,7 @@ OPEN_MPI = "openmpi"  # ORTE (Open MPI <= 4) or PRRTE (Open MPI 5)
 UNKNOWN = "unknown"
 
 SLOWDOWN_ENV = "FUSIONRING_SLOWDOWN"
+RANK_RECORDS_ENV = "FUSIONRING_RANK_RECORDS"
 USAGE = ("usage: fusionrun -np N [--dry-run] [--cluster N --rate RATE] [--slow RANK:FACTOR]... "
          "[-H HOST:SLOTS,... | --hostfile FILE] [horovodrun options] "
          "[--mpiexec PATH] [mpiexec options...] [--] PROGRAM [ARGS...]")
@@ -590,6 +592,24 @@ def run_launch(launch: Launch) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def rank_processes(folder: str) -> str:
+    """'rank 0 = pid 123 on host, ...' from the notes ranks on this host left in `folder`
+    (MPICH's launcher names a failed process by its id only), or '' when there are none."""
+    found = []
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        if not entry.startswith("rank.") or not entry[5:].isdigit():
+            continue
+        try:
+            pid, host = Path(folder, entry).read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        found.append((int(entry[5:]), pid, host))
+    if not found:
+        return ""
+    return "its ranks' process ids: " + ", ".join(
+        f"rank {rank} = pid {pid} on {host}" for rank, pid, host in sorted(found))
+
+
 def _with_lab(request: LaunchRequest, body: Callable[[], int]) -> int:
     reason = lab.missing_prerequisites()
     if reason:
@@ -634,9 +654,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(launch.shell_command())
             return 0
         launch.prepare()
-        if request.cluster_size is not None:
-            return _with_lab(request, lambda: run_launch(launch))
-        return run_launch(launch)
+        records = tempfile.mkdtemp(prefix="fusionrun-ranks-")
+        launch.env_added[RANK_RECORDS_ENV] = records
+        try:
+            if request.cluster_size is not None:
+                code = _with_lab(request, lambda: run_launch(launch))
+            else:
+                code = run_launch(launch)
+            if code not in (0, 130):  # 130: interrupted from the terminal, nothing to explain
+                line = rank_processes(records)
+                if line:
+                    print(f"fusionrun: the job failed (exit code {code}); {line}", file=sys.stderr)
+            return code
+        finally:
+            shutil.rmtree(records, ignore_errors=True)
     except LaunchError as exc:
         print(f"fusionrun: {exc}", file=sys.stderr)
         print(USAGE, file=sys.stderr)

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -942,6 +943,19 @@ def _check_not_a_worker_process() -> None:
         f"'__main__':` or a main() function, so that only the ranks run it.")
 
 
+def _record_process(rank: int) -> None:
+    """Under fusionrun, note this rank's process id where the launcher reads it back if the
+    job fails (MPICH's launcher names a dead process only by its id)."""
+    folder = settings().rank_records_dir
+    if not folder or not os.path.isdir(folder):
+        return  # not launched by fusionrun, or on another host than the launcher
+    try:
+        with open(os.path.join(folder, f"rank.{rank}"), "w") as out:
+            out.write(f"{os.getpid()} {socket.gethostname()}\n")
+    except OSError:
+        pass  # a note for error messages only: never a reason to fail
+
+
 def init(comm=None) -> Runtime:
     """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
     global _runtime, _atexit_registered
@@ -960,6 +974,7 @@ def init(comm=None) -> Runtime:
     elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
         _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
+    _record_process(MPI.COMM_WORLD.Get_rank())
     if not _atexit_registered:
         # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
         atexit.register(close_shared_memory)

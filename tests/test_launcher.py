@@ -226,6 +226,26 @@ def test_exit_code_of_the_job_is_the_exit_code_of_fusionrun():
     assert done.returncode == 3, done.stderr
 
 
+KILL_RANK_ONE = (
+    "import os, signal, time, torch; import fusionring.torch as hvd; hvd.init(); "
+    "os.write(1, f'rank {hvd.rank()} pid {os.getpid()}\\n'.encode()); hvd.barrier(); "
+    "(os.kill(os.getpid(), signal.SIGKILL) if hvd.rank() == 1 else None); "
+    "[hvd.allreduce(torch.ones(4), name='x') for _ in range(1000)]")
+
+
+def test_a_failed_job_names_each_ranks_process_id():
+    """MPICH's launcher names a dead process by its id only; fusionrun says which rank it was."""
+    done = fusionrun("-np", "3", sys.executable, "-c", KILL_RANK_ONE, timeout=120)
+    assert done.returncode != 0
+    pids = dict(line.split()[1:4:2] for line in done.stdout.splitlines()
+                if line.startswith("rank ") and " pid " in line)
+    assert sorted(pids) == ["0", "1", "2"], done.stdout
+    summary = [line for line in done.stderr.splitlines() if "process ids" in line]
+    assert len(summary) == 1, done.stderr
+    for rank, pid in pids.items():
+        assert f"rank {rank} = pid {pid} on " in summary[0]
+
+
 def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
     mpiexec = fake_mpiexec(MPICH_VERSION)
     env = _env()
