@@ -302,9 +302,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for m in members:
                 self._units[m] = unit
             runtime_groups.append([f"allreduce.{unit.name}"])
-        by_name = {f"allreduce.{name}": p for p, name in self._parameter_names.items()}
+        in_units = {f"allreduce.{self._tensor_name(m)}" for m in self._units}
         for group in fusion_groups:
-            rest = [n for n in group if n not in by_name or by_name[n] not in self._units]
+            rest = [n for n in group if n not in in_units]
             if rest:
                 runtime_groups.append(rest)
         return runtime_groups
