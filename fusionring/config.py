@@ -91,6 +91,10 @@ class Settings:
     # threshold-fusion buffer and back: those two copies cost more than the collective's fixed
     # cost they save (0: copy every tensor, as Horovod does).
     pack_limit_bytes: int = 4 * 1024 * 1024
+    # Threshold fusion without a plan: after the first step, keep the gradients smaller than
+    # pack_limit_bytes as views of one buffer, in the order they became ready, so a fused batch
+    # is reduced where it lies instead of being copied into the fusion buffer and back.
+    gradient_buffer: bool = True
     timeline_path: Optional[str] = None
     timeline_mark_cycles: bool = True  # a marker per control-loop cycle in that timeline
     stall_warning_s: Optional[float] = 60.0
@@ -130,6 +134,7 @@ def _from_environment() -> Settings:
         cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, float),
         fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, int),
         pack_limit_bytes=_read("PACK_LIMIT", d.pack_limit_bytes, int),
+        gradient_buffer=_read("GRADIENT_BUFFER", d.gradient_buffer, _flag),
         timeline_path=_read("TIMELINE", d.timeline_path, _timeline_path),
         timeline_mark_cycles=_read("TIMELINE_MARK_CYCLES", d.timeline_mark_cycles, _flag),
         stall_warning_s=_read_stall("STALL_WARNING_S", d.stall_warning_s, stall_off),

@@ -130,6 +130,9 @@ class Stats:
     allreduce_tensors: int = 0
     allreduce_bytes: int = 0
     bytes_sent: int = 0
+    # Bytes copied into the threshold-fusion buffer (and back out): gradients laid out back
+    # to back in their batch's order are reduced where they lie and add nothing here.
+    packed_bytes: int = 0
     batch_bytes: List[int] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -241,6 +244,11 @@ class Runtime:
             return None
         return _C.SharedMemoryAllreduce(self._MPI._handleof(self._data_comm),
                                         self.config.shm_slot_bytes)
+
+    def packs_fused_batches(self) -> bool:
+        """Whether threshold fusion copies a batch into a fusion buffer and back, unless its
+        tensors already lie back to back in batch order (without a shared-memory window)."""
+        return self._shm is None
 
     def host_cores(self) -> int:
         """How many distinct cores the ranks of this host may run on, together."""
@@ -704,6 +712,7 @@ class Runtime:
                                          sum(r.output.numel() for r in requests))
             _C.pack([r.output.data_ptr() for r in requests], [r.nbytes for r in requests],
                     buffer.data_ptr())
+            self.stats.packed_bytes += total
         t1 = time.perf_counter()
         wire_bytes = None  # a compressor that reduces itself may report what it sent
         if first.communicator is not None:

@@ -18,13 +18,16 @@ def env(monkeypatch):
     for name in _ALL:
         monkeypatch.delenv(name, raising=False)
 
+    touched = set(_ALL)
+
     def read(**variables):
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
+        touched.update(variables)
         return settings(reload=True)
 
     yield read
-    for name in _ALL:
+    for name in touched:
         monkeypatch.delenv(name, raising=False)
     settings(reload=True)
 
@@ -59,6 +62,13 @@ def test_cache_capacity_from_either_name(env):
     assert env(HOROVOD_CACHE_CAPACITY="1024", FUSIONRING_CACHE_CAPACITY="0").cache_capacity == 0
     with pytest.raises(ValueError, match="FUSIONRING_CACHE_CAPACITY='-3'"):
         env(FUSIONRING_CACHE_CAPACITY="-3")
+
+
+def test_gradient_buffer_switch(env):
+    assert env().gradient_buffer
+    assert not env(FUSIONRING_GRADIENT_BUFFER="off").gradient_buffer
+    with pytest.raises(ValueError, match="FUSIONRING_GRADIENT_BUFFER='2': expected 1 or 0"):
+        env(FUSIONRING_GRADIENT_BUFFER="2")
 
 
 def test_horovod_zero_threshold_turns_fusion_off(env):

@@ -620,3 +620,83 @@ def test_auto_grouping_learns_rank_zeros_order_in_the_first_step(tmp_path):
         assert outs[0]["groups"][1:] == [["allreduce.optimizer.0.group0[4.bias..0.weight]",
                                           "allreduce.optimizer.0.group1[2.weight]",
                                           "allreduce.optimizer.0.group2[2.bias]"]] * 3
+
+
+THRESHOLD_BUFFER = r'''
+import copy, hashlib, os, torch
+import torch.nn as nn
+import fusionring.torch as hvd
+from fusionring import runtime
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+# 1: 4x16 floats (256 bytes), 3: 16x16 (1 KiB, at the pack limit: reduced where it lies).
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 3))
+model[2].double()
+reference = copy.deepcopy(model)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
+                               named_parameters=model.named_parameters())
+
+def forward(m, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    h = m[1](m[0](torch.randn(8, 6, generator=g)))
+    if not (rank == 1 and step == 3):   # rank 1 skips the middle layer once
+        h = m[3](m[2](h.double()).float())
+    return m[4](h).pow(2).mean()
+
+stats = runtime.get().stats
+packed, storages = [], []
+for step in range(5):
+    before = stats.packed_bytes
+    opt.zero_grad()
+    forward(model, R, step).backward()
+    opt.step()
+    packed.append(stats.packed_bytes - before)
+    storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
+
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
+for step in range(5):
+    total = [torch.zeros_like(p) for p in reference.parameters()]
+    for rank in range(N):
+        reference.zero_grad()
+        forward(reference, rank, step).backward()
+        for t, p in zip(total, reference.parameters()):
+            if p.grad is not None:
+                t += p.grad
+    for t, p in zip(total, reference.parameters()):
+        p.grad = t / N
+    ref_opt.step()
+error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+# backward(create_graph=True): the gradient keeps its graph (it is not moved into the buffer).
+opt.zero_grad()
+forward(model, R, 0).backward(create_graph=True)
+opt.synchronize()
+graph = model[0].weight.grad.requires_grad
+with opt.skip_synchronize():
+    opt.step()
+bits = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+report({"error": error, "packed": packed, "storages": storages, "graph": graph,
+        "bits": bits.hexdigest()})
+'''
+
+
+def test_threshold_fusion_reduces_gradients_where_they_lie(tmp_path):
+    """Without a plan, the gradients below the pack limit live in one buffer after the first
+    step, laid out in ready order: threshold fusion's batches are then reduced in place (no
+    bytes packed) and training is the averaged single-process run, bit for bit the same as
+    with FUSIONRING_GRADIENT_BUFFER=0, which packs what it fuses."""
+    env = {"FUSIONRING_SHARED_MEMORY": "off", "FUSIONRING_PACK_LIMIT": "1024"}
+    on = run_ranks(3, THRESHOLD_BUFFER, tmp_path / "on", timeout=120, env=env)
+    off = run_ranks(3, THRESHOLD_BUFFER, tmp_path / "off", timeout=120,
+                    env={**env, "FUSIONRING_GRADIENT_BUFFER": "0"})
+    for a, b in zip(on, off):
+        assert a["error"] < 1e-6 and b["error"] < 1e-6, (a["error"], b["error"])
+        assert a["bits"] == b["bits"] == on[0]["bits"]
+        assert a["graph"] and b["graph"]
+        # Two dtypes below the limit -> two buffers, plus the 1 KiB weight on its own.
+        assert a["storages"][1:3] == [3, 3], a["storages"]
+        assert b["storages"][1] == 6
+        assert a["packed"][0] > 0 and a["packed"][1:3] == [0, 0], a["packed"]
+        assert sum(b["packed"][1:]) > 0, b["packed"]  # what a cycle fuses is packed

@@ -109,6 +109,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     fusion and records the order gradients become ready in, then balanced groups are made
     from rank 0's order, as ``make_plan`` would, and used from the second step on). With `process_set`, gradients are averaged
     over that set's ranks only (every member wraps its optimizer alike).
+
+    `gradient_buffer` (default: the ``FUSIONRING_GRADIENT_BUFFER`` setting, on) applies to
+    threshold fusion: after the first step, gradients below the pack limit become views of
+    one buffer laid out in the order they became ready, so fused batches are reduced where
+    they lie rather than copied into the fusion buffer and back (as DDP's
+    ``gradient_as_bucket_view``). A ``.grad`` kept from an earlier step then changes with the
+    buffer, and ``p.grad.detach_()`` raises; pass False to keep every step's gradients apart.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -116,7 +123,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                  grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
-                 process_set=None) -> None:
+                 process_set=None, gradient_buffer: Optional[bool] = None) -> None:
         # A process set's own runtime, or None: the global runtime (looked up at each use,
         # so the optimizer outlives a shutdown() / init() of it).
         self._set_runtime = runtime_for(process_set, "DistributedOptimizer")
@@ -174,6 +181,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
         if fusion_groups is not None:
             self._use_groups(fusion_groups, runtime)
+        # Threshold fusion: the first step's ready order, for the gradient buffer; else None.
+        self._layout_order: Optional[List[torch.Tensor]] = None
+        if gradient_buffer is None:
+            gradient_buffer = settings().gradient_buffer
+        if (gradient_buffer and fusion_groups is None and self._auto_order is None
+                and self._size > 1 and not self._adasum and compression is Compression.none
+                and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
+            self._layout_order = []
         if self._auto_order is not None:
             # Until the groups are learned, every gradient is reduced on its own: the first
             # step's sums then do not depend on which gradients a cycle happened to batch.
@@ -267,6 +282,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          self._set_runtime or _rt.get("DistributedOptimizer"),
                          label=self._auto_label)
 
+    def _lay_out_gradients(self) -> None:
+        """Threshold fusion: from now on, keep the gradients below the pack limit as views of
+        one buffer in the order this rank saw them ready (the order the runtime agrees them
+        in, so what a cycle fuses usually lies back to back). Larger ones are reduced where
+        they lie anyway. The layout is this rank's own; a batch that is not contiguous is
+        still packed, so nothing else depends on it."""
+        order = list(dict.fromkeys(self._layout_order))
+        self._layout_order = None
+        seen = set(order)
+        order += [p for p in self._requires_update if p not in seen]
+        limit = (self._set_runtime or _rt.get("DistributedOptimizer")).config.pack_limit_bytes
+        members = [p for p in order if p.numel() > 0
+                   and (limit <= 0 or p.numel() * p.element_size() < limit)]
+        if len(members) > 1:
+            self._grad_views = self._group_buffers(
+                [[f"allreduce.{self._tensor_name(p)}" for p in members]])
+
     def _group_buffers(self, fusion_groups: List[List[str]]) -> Dict[torch.Tensor, torch.Tensor]:
         """One flat buffer per group and dtype; each parameter gets a view of its slice, in
         the group's order (the order the runtime fuses them in). The buffers are kept, each
@@ -317,6 +349,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 or grad.dtype != view.dtype):
             return  # a sparse gradient cannot live in the buffer (nor has it a data pointer)
         if grad.requires_grad:  # backward(create_graph=True): the copy must not be recorded
+            if p not in self._units:
+                return  # outside a group the buffer only saves copies: keep the graph
             with torch.no_grad():
                 view.copy_(grad)
         else:
@@ -345,6 +379,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         if self._auto_order is not None:
             self._auto_order.append(p)
+        elif self._layout_order is not None:
+            self._layout_order.append(p)
         self._into_group_buffer(p)
         if p in self._handles and self._handles[p][0] is not None:
             if self._allreduce_delay[p] <= 0:
@@ -555,6 +591,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise errors[0]
         if self._auto_order is not None:
             self._learn_groups()
+        elif self._layout_order is not None:
+            self._lay_out_gradients()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
