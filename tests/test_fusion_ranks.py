@@ -509,6 +509,24 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
                       nn.Linear(WIDTH, 3))
 reference = copy.deepcopy(model)
+
+def twin_error(steps):
+    """Largest difference from the twin trained in one process on every rank's gradients,
+    averaged (momentum SGD, lr 0.3; `forward(m, rank, step)` is the script's)."""
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in reference.parameters()]
+        for rank in range(N):
+            reference.zero_grad()
+            forward(reference, rank, step).backward()
+            for t, p in zip(total, reference.parameters()):
+                if p.grad is not None:
+                    t += p.grad
+        for t, p in zip(total, reference.parameters()):
+            p.grad = t / N
+        ref_opt.step()
+    return max((p - q).abs().max().item()
+               for p, q in zip(model.parameters(), reference.parameters()))
 '''
 
 
@@ -582,19 +600,7 @@ for step in range(4):
     groups_after.append(sorted(n for g in runtime.get().scheduler.groups for n in g))
     requests.append(stats.allreduce_tensors - before)
 
-ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
-for step in range(4):
-    total = [torch.zeros_like(p) for p in reference.parameters()]
-    for rank in range(N):
-        reference.zero_grad()
-        forward(reference, rank, step).backward()
-        for t, p in zip(total, reference.parameters()):
-            if p.grad is not None:
-                t += p.grad
-    for t, p in zip(total, reference.parameters()):
-        p.grad = t / N
-    ref_opt.step()
-error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+error = twin_error(4)
 import hashlib
 bits = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 report({"error": error, "groups": groups_after, "requests": requests, "bits": bits.hexdigest()})
@@ -622,19 +628,11 @@ def test_auto_grouping_learns_rank_zeros_order_in_the_first_step(tmp_path):
                                           "allreduce.optimizer.0.group2[2.bias]"]] * 3
 
 
-THRESHOLD_BUFFER = r'''
-import copy, hashlib, os, torch
-import torch.nn as nn
-import fusionring.torch as hvd
-from fusionring import runtime
-hvd.init()
-R, N = hvd.rank(), hvd.size()
-torch.manual_seed(0)
-# 1: 4x16 floats (256 bytes), 3: 16x16 (1 KiB, at the pack limit: reduced where it lies).
-model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                      nn.Linear(16, 3))
+THRESHOLD_BUFFER = SEQUENTIAL_AND_TWIN.replace("WIDTH", "16") + r'''
+import hashlib
+# The middle layer in float64: its 2 KiB weight is above the pack limit (reduced where it lies).
 model[2].double()
-reference = copy.deepcopy(model)
+reference[2].double()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
                                named_parameters=model.named_parameters())
 
@@ -655,19 +653,7 @@ for step in range(5):
     packed.append(stats.packed_bytes - before)
     storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
 
-ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9)
-for step in range(5):
-    total = [torch.zeros_like(p) for p in reference.parameters()]
-    for rank in range(N):
-        reference.zero_grad()
-        forward(reference, rank, step).backward()
-        for t, p in zip(total, reference.parameters()):
-            if p.grad is not None:
-                t += p.grad
-    for t, p in zip(total, reference.parameters()):
-        p.grad = t / N
-    ref_opt.step()
-error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+error = twin_error(5)
 
 # backward(create_graph=True): the gradient keeps its graph (it is not moved into the buffer).
 opt.zero_grad()
