@@ -172,29 +172,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._slowdown = settings().slowdown_factor
         self._size = runtime.size
         self._process_set = process_set
-        # grouping_plan="auto": the gradients in the order they become ready, while the first
-        # step learns it; None otherwise.
-        self._auto_order: Optional[List[torch.Tensor]] = None
+        # The gradients in the order they become ready, while the first step records it for
+        # grouping_plan="auto" or the gradient buffer; None otherwise. At the end of that step
+        # the order goes to _after_first_step (_learn_groups or _lay_out_gradients).
+        self._ready_order: Optional[List[torch.Tensor]] = None
+        self._after_first_step = None
         self._grad_views: Dict[torch.Tensor, torch.Tensor] = {}
         self._units: Dict[torch.Tensor, _Unit] = {}
         self._unit_list: List[_Unit] = []
         fusion_groups = self._fusion_groups(groups, grouping_plan, named_parameters)
         if fusion_groups is not None:
             self._use_groups(fusion_groups, runtime)
-        # Threshold fusion: the first step's ready order, for the gradient buffer; else None.
-        self._layout_order: Optional[List[torch.Tensor]] = None
         if gradient_buffer is None:
             gradient_buffer = settings().gradient_buffer
-        if (gradient_buffer and fusion_groups is None and self._auto_order is None
-                and self._size > 1 and not self._adasum and compression is Compression.none
-                and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
-            self._layout_order = []
-        if self._auto_order is not None:
+        if self._after_first_step is not None:  # grouping_plan="auto"
             # Until the groups are learned, every gradient is reduced on its own: the first
             # step's sums then do not depend on which gradients a cycle happened to batch.
             self._auto_label = runtime.new_group_label()
             runtime.set_fusion_groups([[f"allreduce.{self._tensor_name(p)}"]
                                        for p in self._requires_update], label=self._auto_label)
+        elif (gradient_buffer and fusion_groups is None and self._size > 1 and not self._adasum
+              and compression is Compression.none
+              and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
+            self._ready_order, self._after_first_step = [], self._lay_out_gradients
         if self._size > 1:
             self._register_hooks()
 
@@ -226,7 +226,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         if isinstance(source, str) and source == "auto":
             if self._size > 1 and not self._adasum:
-                self._auto_order = []
+                self._ready_order, self._after_first_step = [], self._learn_groups
             return None
         from ..plan import load_plan
         from ..scheduler import tensor_groups_from_plan
@@ -257,13 +257,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 fusion_groups = self._make_units(fusion_groups, label)
             runtime.set_fusion_groups(fusion_groups, label=label)
 
-    def _learn_groups(self) -> None:
+    def _learn_groups(self, ready: List[torch.Tensor]) -> None:
         """grouping_plan="auto": after the first step, group the gradients as ``make_plan``
         would, in the order rank 0 saw them ready (one order for every rank)."""
         from ..plan import CostModel, choose_buffer_bytes, partition_sizes
 
-        seen = [self._tensor_name(p) for p in dict.fromkeys(self._auto_order)]
-        self._auto_order = None
+        seen = [self._tensor_name(p) for p in ready]
         root = 0 if self._set_runtime is None else min(self._process_set.ranks)
         with _rt.using(self._set_runtime):
             order = F.broadcast_object(seen, root_rank=root, name="grouping_plan.auto.order",
@@ -282,16 +281,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          self._set_runtime or _rt.get("DistributedOptimizer"),
                          label=self._auto_label)
 
-    def _lay_out_gradients(self) -> None:
+    def _lay_out_gradients(self, ready: List[torch.Tensor]) -> None:
         """Threshold fusion: from now on, keep the gradients below the pack limit as views of
         one buffer in the order this rank saw them ready (the order the runtime agrees them
         in, so what a cycle fuses usually lies back to back). Larger ones are reduced where
         they lie anyway. The layout is this rank's own; a batch that is not contiguous is
         still packed, so nothing else depends on it."""
-        order = list(dict.fromkeys(self._layout_order))
-        self._layout_order = None
-        seen = set(order)
-        order += [p for p in self._requires_update if p not in seen]
+        seen = set(ready)
+        order = ready + [p for p in self._requires_update if p not in seen]
         limit = (self._set_runtime or _rt.get("DistributedOptimizer")).config.pack_limit_bytes
         members = [p for p in order if p.numel() > 0
                    and (limit <= 0 or p.numel() * p.element_size() < limit)]
@@ -377,10 +374,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if delay == 1:
                 self._unit_member_ready(unit, p)
             return
-        if self._auto_order is not None:
-            self._auto_order.append(p)
-        elif self._layout_order is not None:
-            self._layout_order.append(p)
+        if self._ready_order is not None:
+            self._ready_order.append(p)
         self._into_group_buffer(p)
         if p in self._handles and self._handles[p][0] is not None:
             if self._allreduce_delay[p] <= 0:
@@ -589,10 +584,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if errors:
             raise errors[0]
-        if self._auto_order is not None:
-            self._learn_groups()
-        elif self._layout_order is not None:
-            self._lay_out_gradients()
+        if self._ready_order is not None:
+            ready, self._ready_order = list(dict.fromkeys(self._ready_order)), None
+            self._after_first_step(ready)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
