@@ -548,7 +548,7 @@ def run_collectives(comm, interface: str, nbytes: int, repeats: int) -> Dict[str
     import fusionring.torch as hvd
     from fusionring import _C
     from fusionring.config import settings
-    from fusionring.runtime import DTYPE_CODES
+    from fusionring.dtypes import DTYPE_CODES
 
     MPI = _mpi()
     count = nbytes // 4

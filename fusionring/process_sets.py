@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional, Sequence, Union
 
-from . import runtime as _rt
+from . import state as _state
+from .runtime import Runtime
 
 
 class ProcessSet:
@@ -29,11 +30,11 @@ class ProcessSet:
         # None: every rank, or (with mpi_comm) not yet translated to global ranks
         self._ranks: Optional[List[int]] = None
         self.process_set_id: Optional[int] = 0 if ranks_or_comm is None else None
-        self._runtime: Optional[_rt.Runtime] = None
+        self._runtime: Optional[Runtime] = None
         self._comm = None  # the sub-communicator, on members
         if ranks_or_comm is not None and hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
-            if _rt.is_initialized():
+            if _state.is_initialized():
                 self._resolve()
         elif ranks_or_comm is not None:
             self._ranks = _checked(ranks_or_comm)
@@ -51,7 +52,7 @@ class ProcessSet:
     def ranks(self) -> List[int]:
         """The member ranks, as global ranks (all ranks for the global set)."""
         if self._is_global():
-            return list(range(_rt.get("ProcessSet.ranks").size))
+            return list(range(_state.get("ProcessSet.ranks").size))
         return list(self._ranks)
 
     def size(self) -> int:
@@ -70,7 +71,7 @@ class ProcessSet:
 
     def __repr__(self) -> str:
         if self._ranks is None:
-            ranks = self.ranks if (_rt.is_initialized() and self.process_set_id == 0) else None
+            ranks = self.ranks if (_state.is_initialized() and self.process_set_id == 0) else None
         else:
             ranks = self._ranks
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, "
@@ -91,9 +92,8 @@ _registered: Dict[int, ProcessSet] = {}
 _next_id = 1
 
 
-def _global_runtime(what: str) -> "_rt.Runtime":
-    with _rt.using(None):
-        return _rt.get(what)
+def _global_runtime(what: str) -> Runtime:
+    return _state.global_runtime(what)
 
 
 def _ranks_of_comm(comm) -> List[int]:
@@ -104,7 +104,7 @@ def _ranks_of_comm(comm) -> List[int]:
                                           world.Get_group()))
 
 
-def runtime_for(process_set, what: str) -> Optional["_rt.Runtime"]:
+def runtime_for(process_set, what: str) -> Optional[Runtime]:
     """The runtime that runs `what` for `process_set`; None means the global runtime.
 
     Raises ValueError for a set that is not registered, or when this rank is not in it.
@@ -151,10 +151,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     if process_set.process_set_id is not None and process_set.process_set_id in _registered:
         raise ValueError(f"add_process_set(): {process_set!r} is already added")
     # Every rank must ask for the same set, in the same order, or communicators mismatch.
-    from .torch.functions import allgather_object
-
-    with _rt.using(None):
-        asked = allgather_object(ranks, name="process_sets.add")
+    # An agreement on the communicator the runtime was made from (it creates the
+    # sub-communicator below, a collective on it anyway), not through the runtime's queue.
+    asked = runtime.base_comm.allgather(ranks)
     if any(a != ranks for a in asked):
         differing = ", ".join(f"rank {r} asked for {a}" for r, a in enumerate(asked))
         raise ValueError(f"add_process_set(): ranks disagree on the set: {differing}")
@@ -170,7 +169,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         _registered[process_set.process_set_id] = process_set
     if runtime.rank in ranks:
         process_set._comm = sub
-        process_set._runtime = _rt.Runtime(sub, global_ranks=ranks, timeline_owner=runtime)
+        process_set._runtime = Runtime(sub, global_ranks=ranks, timeline_owner=runtime)
     return process_set
 
 
@@ -183,13 +182,10 @@ def register_at_init(process_sets: Sequence[Union[ProcessSet, Sequence[int], obj
     global set (id 0); a set named twice, or already registered by an earlier ``init()``,
     is registered once. Each object passed in ends up as the registered set of its ranks.
     """
-    from .torch.functions import allgather_object
-
     runtime = _global_runtime("init(process_sets=...)")
     mine = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
     everyone = list(range(runtime.size))
-    with _rt.using(None):
-        named = allgather_object([p.ranks for p in mine], name="process_sets.init")
+    named = runtime.base_comm.allgather([p.ranks for p in mine])
     known = {tuple(p.ranks): p for p in list(_registered.values())}
     for ranks in (ranks for rank_lists in named for ranks in rank_lists):
         if ranks == everyone or tuple(ranks) in known:
@@ -241,11 +237,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         known = _registered.pop(process_set.process_set_id, None) is not None
     if not known:
         return False
-    from .torch.functions import barrier
-
+    runtime = _global_runtime("remove_process_set()")
     _release(process_set)
-    with _rt.using(None):
-        barrier()  # every rank has let go of the set before any adds another
+    runtime.base_comm.Barrier()  # every rank has let go of the set before any adds another
     process_set.process_set_id = None
     return True
 
@@ -261,3 +255,6 @@ def shutdown_all() -> None:
     for process_set in sets:
         _release(process_set)
         process_set.process_set_id = None
+
+
+_state.on_shutdown(shutdown_all)

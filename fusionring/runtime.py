@@ -1,4 +1,4 @@
-"""The runtime: init/shutdown, the background control loop, and handles.
+"""The runtime: the background control loop, requests and handles (init/shutdown: state.py).
 
 The caller's thread only enqueues requests and waits on handles. One background thread
 per process runs the cycle: negotiate what is ready on every rank, let the scheduler
@@ -7,10 +7,7 @@ Every rank runs the same decisions in the same order, so no collective can inter
 """
 from __future__ import annotations
 
-import atexit
 import collections
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -18,7 +15,6 @@ import itertools
 import json
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,10 +24,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
-from .config import Settings, launcher_world_size, mpi_launch_variable, settings
-from .exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
-from .negotiation import Negotiator, Ready, TensorSpec
+from .config import Settings, settings
+from .dtypes import DTYPE_CODES, byte_view, contiguous_view, real_view
+from .exceptions import FusionRingError, StallError, TensorMismatchError
+from .negotiation import Negotiator, Ready, TensorSpec, is_cacheable
 from .ops import ADASUM_CODE, ReduceOp, core_reduction
+from .reduction import ReductionContext
 from .scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from .timeline import LaneView, Timeline, recording_phases
 
@@ -48,48 +46,6 @@ _EAGER_ROUNDS_S = 0.05
 # shared-memory windows are freed together (MPI_Finalize waits for them anyway).
 _SHM_CLOSE_WAIT_S = 60.0
 _windows_to_close: List["_C.SharedMemoryAllreduce"] = []
-
-# torch dtype -> the core's DType code (csrc/dtype.h).
-DTYPE_CODES: Dict[torch.dtype, int] = {
-    torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-    torch.int32: 4, torch.int64: 5, torch.uint8: 6, torch.int8: 7, torch.int16: 8,
-}
-
-
-@functools.lru_cache(maxsize=None)
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-# Complex tensors are reduced as their real and imaginary parts (torch.view_as_real): a sum
-# or an average of complex numbers is the sum or average of each part.
-COMPLEX_DTYPES = (torch.complex64, torch.complex128)
-
-
-def check_dtype(tensor: torch.Tensor, name: str) -> None:
-    """Raise ValueError naming the tensor and dtype when the core cannot reduce it."""
-    if tensor.dtype not in DTYPE_CODES and tensor.dtype not in COMPLEX_DTYPES:
-        supported = ", ".join(dtype_name(d) for d in (*DTYPE_CODES, *COMPLEX_DTYPES))
-        raise ValueError(f"tensor '{name}' has unsupported dtype {dtype_name(tensor.dtype)}; "
-                         f"fusionring supports {supported}")
-
-
-def real_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor the core reduces: a complex tensor's parts as a real one (same memory)."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
-def complex_result(spec: TensorSpec, output: torch.Tensor) -> torch.Tensor:
-    """A reduction's output in the dtype its caller gave (undoes `real_view`)."""
-    if spec.dtype.startswith("complex") and not output.is_complex():
-        return torch.view_as_complex(output)
-    return output
-
-
-def byte_view(tensor: torch.Tensor):
-    """A writable numpy uint8 view of a contiguous CPU tensor's memory (any dtype)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -110,10 +66,9 @@ class Request:
     error: Optional[BaseException] = None
     payload: Any = None                  # kind-specific data (e.g. fusion groups)
     # A compressor that reduces inside the runtime: called on the background thread as
-    # communicator(core, buffer, requests) in place of the plain ring allreduce. `buffer` is
-    # the requests' outputs as one tensor when they lie back to back, else None (the
-    # compressor then works on each output where it lies: no pack or unpack copy).
-    communicator: Optional[Callable[..., None]] = None
+    # communicator(ReductionContext) in place of the plain ring allreduce; it reads and
+    # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.
+    communicator: Optional[Callable[[ReductionContext], Optional[int]]] = None
 
     @property
     def nbytes(self) -> int:
@@ -719,7 +674,7 @@ class Runtime:
             # Its encode and decode overlap the ring, so they get a lane of their own.
             with recording_phases(self._timeline, f"{lane} (compression)",
                                   {"tensors": len(requests), "bytes": total}):
-                wire_bytes = first.communicator(self._core, buffer, requests)
+                wire_bytes = first.communicator(self._reduction_context(requests, buffer))
         else:
             self._core.allreduce(buffer.data_ptr(), buffer.numel(), code, first.core_op,
                                  first.prescale, first.postscale, self.config.ring_segment_bytes,
@@ -739,6 +694,22 @@ class Runtime:
             timeline.span(lane, "reduce", t1, t2, args)
             if copies:
                 timeline.span(lane, "unpack", t2, t3, args)
+
+    def _reduction_context(self, requests: List[Request],
+                           buffer: Optional[torch.Tensor]) -> ReductionContext:
+        """What an in-runtime compressor needs for this batch, and nothing of the runtime."""
+        first = requests[0]
+        if buffer is None:
+            outputs = [r.output.reshape(-1) for r in requests]
+        else:
+            outputs = list(torch.split(buffer.reshape(-1), [r.output.numel() for r in requests]))
+        names = [r.name for r in requests]
+        return ReductionContext(
+            core=self._core, outputs=outputs, names=names,
+            keys=[name if is_cacheable(name) else None for name in names], buffer=buffer,
+            core_op=first.core_op, prescale=first.prescale, postscale=first.postscale,
+            ring_segment_bytes=self.config.ring_segment_bytes,
+            small_message_bytes=self.config.small_message_bytes, size=self.size)
 
     def _count_batch(self, requests: List[Request], nbytes: int, wire_bytes) -> None:
         self.stats.allreduce_batches += 1
@@ -858,21 +829,6 @@ def _displacements(counts: List[int]) -> List[int]:
     return list(itertools.accumulate([0] + counts[:-1]))
 
 
-def contiguous_view(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat tensor over `tensors` when they lie back to back, in order, in one storage
-    (so a reduction needs no pack or unpack); else None."""
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    end = first.data_ptr()
-    for tensor in tensors:
-        if (tensor.dtype != first.dtype or tensor.data_ptr() != end or not tensor.is_contiguous()
-                or tensor.untyped_storage().data_ptr() != storage):
-            return None
-        end += tensor.numel() * tensor.element_size()
-    numel = sum(t.numel() for t in tensors)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
-
-
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
 
@@ -900,96 +856,10 @@ def _usable_cores() -> List[int]:
         return list(range(os.cpu_count() or 1))
 
 
-# ---------------------------------------------------------------------- process-wide state
-_runtime: Optional[Runtime] = None
-_atexit_registered = False
-
-
-def _check_not_a_lone_copy(MPI) -> None:
-    """Fail when a launcher started several processes but MPI sees only this one.
-
-    That happens under torchrun, or under another MPI's mpirun than the one mpi4py was
-    built with: each process would train alone, silently, as a world of one.
-    """
-    announced = launcher_world_size()
-    if announced is None:
-        return
-    variable, size = announced
-    raise FusionRingError(
-        f"{variable}={size}: this process was started as one of {size}, but MPI "
-        f"({' '.join(MPI.Get_library_version().split()[:3])}) sees a world of 1. "
-        f"fusionring's ranks are MPI processes: launch with `fusionrun -np {size} python ...` "
-        f"or the mpirun/mpiexec of the MPI that mpi4py was built with, not torchrun or "
-        f"another MPI's launcher (unset {variable} to run a single process).")
-
-
 def _lane(requests: List[Request]) -> str:
     """The timeline row of a collective: its tensor's name, or its batch's."""
     first = requests[0]
     return first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
-
-
-def _check_not_a_worker_process() -> None:
-    """A process that multiprocessing started from a rank with spawn or forkserver (a
-    DataLoader worker, say) inherits the rank's launcher variables but is no rank: MPI_Init
-    would abort there with a launcher error. Name the cause instead."""
-    import multiprocessing
-
-    variable = mpi_launch_variable()
-    # Such a process imports the script as a module named __mp_main__. (multiprocessing
-    # also files the main module of any process under that key, with its own name; a forked
-    # process keeps that one, and can still reach the launcher through the descriptors it
-    # inherited.)
-    imported_as = getattr(sys.modules.get("__mp_main__"), "__name__", None)
-    if variable is None or imported_as != "__mp_main__":
-        return
-    raise FusionRingError(
-        f"init() was called in process {os.getpid()} "
-        f"({multiprocessing.current_process().name}), which multiprocessing started from MPI "
-        f"rank {os.environ[variable]} ({variable} is inherited). Such a process, a DataLoader "
-        f"worker with multiprocessing_context 'spawn' or 'forkserver' for example, imports the "
-        f"script again and cannot join the job: call init() inside `if __name__ == "
-        f"'__main__':` or a main() function, so that only the ranks run it.")
-
-
-def _record_process(rank: int) -> None:
-    """Under fusionrun, note this rank's process id where the launcher reads it back if the
-    job fails (MPICH's launcher names a dead process only by its id)."""
-    folder = settings().rank_records_dir
-    if not folder or not os.path.isdir(folder):
-        return  # not launched by fusionrun, or on another host than the launcher
-    try:
-        with open(os.path.join(folder, f"rank.{rank}"), "w") as out:
-            out.write(f"{os.getpid()} {socket.gethostname()}\n")
-    except OSError:
-        pass  # a note for error messages only: never a reason to fail
-
-
-def init(comm=None) -> Runtime:
-    """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
-    global _runtime, _atexit_registered
-    if _runtime is not None and _runtime.alive:
-        return _runtime
-    if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
-        _check_not_a_worker_process()
-    from mpi4py import MPI
-
-    if isinstance(comm, (list, tuple)):
-        ranks = [int(r) for r in comm]
-        comm = MPI.COMM_WORLD.Create(MPI.COMM_WORLD.Get_group().Incl(ranks))
-        if comm == MPI.COMM_NULL:
-            raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()} is not among the ranks {ranks} "
-                             f"passed to init(); every process must call init() with its ranks")
-    elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
-        _check_not_a_lone_copy(MPI)
-    _runtime = Runtime(comm)
-    _record_process(MPI.COMM_WORLD.Get_rank())
-    if not _atexit_registered:
-        # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
-        atexit.register(close_shared_memory)
-        atexit.register(shutdown)
-        _atexit_registered = True
-    return _runtime
 
 
 def close_shared_memory() -> None:
@@ -999,55 +869,3 @@ def close_shared_memory() -> None:
     minute, is left to MPI_Finalize."""
     while _windows_to_close:
         _windows_to_close.pop(0).close(_SHM_CLOSE_WAIT_S)
-
-
-def shutdown() -> None:
-    """Stop the runtime on this rank; ranks still running see their pending ops fail."""
-    global _runtime
-    from . import process_sets
-
-    process_sets.shutdown_all()
-    if _runtime is not None:
-        runtime, _runtime = _runtime, None
-        runtime.shutdown()
-
-
-# The runtime of the process set an operation was called with (see fusionring.process_sets);
-# unset, operations run on the global runtime.
-_current: "contextvars.ContextVar[Optional[Runtime]]" = contextvars.ContextVar(
-    "fusionring_runtime", default=None)
-
-
-@contextlib.contextmanager
-def using(runtime: Optional[Runtime]):
-    """Route operations started inside the block to `runtime` (None: the global one)."""
-    token = _current.set(runtime)
-    try:
-        yield runtime
-    finally:
-        _current.reset(token)
-
-
-def current() -> Optional[Runtime]:
-    """The process set's runtime operations are routed to here, or None (global)."""
-    return _current.get()
-
-
-def routed() -> Optional[Runtime]:
-    """The runtime operations started here go to (a process set's, or the global one), or
-    None before init()."""
-    return _current.get() or _runtime
-
-
-def get(what: str = "this operation") -> Runtime:
-    """The live runtime, or NotInitializedError naming what was attempted."""
-    routed = _current.get()
-    if routed is not None:
-        return routed
-    if _runtime is None:
-        raise NotInitializedError(what)
-    return _runtime
-
-
-def is_initialized() -> bool:
-    return _runtime is not None

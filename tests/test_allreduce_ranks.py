@@ -8,7 +8,7 @@ import numpy as np, torch
 from mpi4py import MPI
 import fusionring.torch as hvd
 from fusionring import _C
-from fusionring.runtime import DTYPE_CODES
+from fusionring.dtypes import DTYPE_CODES
 
 hvd.init()
 comm = MPI.COMM_WORLD
@@ -117,7 +117,7 @@ def test_allreduce_matches_numpy_for_every_dtype_op_and_size(np_, tmp_path):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_shared_memory_transport_matches_numpy(np_, tmp_path):
-    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import runtime as _rt\nassert _rt.get().shared_memory")
+    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import state as _rt\nassert _rt.get().shared_memory")
     results = run_ranks(np_, code, tmp_path, timeout=240, env=SHARED_MEMORY_ENV)
     for rank, failures in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:10]}"
@@ -126,7 +126,8 @@ def test_shared_memory_transport_matches_numpy(np_, tmp_path):
 TWO_RANK_TRANSPORT = r'''
 import json, os, torch
 import fusionring.torch as hvd
-from fusionring import runtime as _rt
+from fusionring import state as _rt
+from fusionring.runtime import Request
 from fusionring.scheduler import PLAN, SINGLE, THRESHOLD
 hvd.init()
 rt = _rt.get()
@@ -134,7 +135,7 @@ if not rt.shared_memory:
     report("no window")  # fewer cores than ranks: auto leaves the window off
 else:
     def requests(*sizes):
-        return [_rt.Request(f"t{i}", None, torch.empty(n // 4), None) for i, n in enumerate(sizes)]
+        return [Request(f"t{i}", None, torch.empty(n // 4), None) for i, n in enumerate(sizes)]
     rule = {
         "one tensor": rt._through_shared_memory(requests(1 << 20), SINGLE),
         "plan group": rt._through_shared_memory(requests(1 << 19, 1 << 19), PLAN),
@@ -174,7 +175,7 @@ def test_two_ranks_use_the_window_only_where_it_saves_the_pack(mode, tmp_path):
 @pytest.mark.parametrize("np_", [3])
 def test_sleeping_waits_match_numpy(np_, tmp_path):
     # The wait policy used across a network: test, then nap between tests (negotiation too).
-    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import runtime as _rt\n"
+    code = CASES.replace("hvd.init()", "hvd.init()\nfrom fusionring import state as _rt\n"
                          "assert _rt.get().mpi_wait == 'sleep'").replace(
         "shm = _C.SharedMemoryAllreduce", "core.set_wait_policy(0, 20)\n"
         "shm = _C.SharedMemoryAllreduce")
@@ -302,7 +303,7 @@ def test_complex_tensors_reduce_as_their_parts(np_, tmp_path):
 NAME_CACHE = r'''
 import torch
 import fusionring.torch as hvd
-from fusionring import runtime as _rt
+from fusionring import state as _rt
 hvd.init()
 r, size = hvd.rank(), hvd.size()
 negotiator = _rt.get()._negotiator

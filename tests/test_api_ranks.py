@@ -248,7 +248,7 @@ def test_blocking_calls_cost_one_agreement_round_each(tmp_path):
 STUCK_ON_DIFFERENT_TENSORS = r'''
 import os, threading, time, torch
 import fusionring.torch as hvd
-from fusionring import runtime
+from fusionring import state as runtime
 hvd.init()
 rt = runtime.get()
 handle = hvd.allreduce_async(torch.ones(3), name=f"only_on_rank_{hvd.rank()}")

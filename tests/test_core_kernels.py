@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusionring import _C
-from fusionring.runtime import DTYPE_CODES
+from fusionring.dtypes import DTYPE_CODES
 
 OPS = {"sum": 0, "min": 1, "max": 2, "product": 3}
 REFERENCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}

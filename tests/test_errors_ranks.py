@@ -315,7 +315,7 @@ class Faulty(Compressor):
         return tensor
 
     @staticmethod
-    def communicate(core, buffer, requests):
+    def communicate(context):
         if r == 1:
             raise RuntimeError("device lost")
         return None  # the other ranks send nothing, so nobody waits for rank 1's bytes
@@ -348,6 +348,80 @@ def test_a_failing_reduction_fails_every_rank_with_its_cause(tmp_path):
         assert results[r]["next"] is not None, results[r]
         assert "rank(s) 1" in results[r]["next"] and "shut down" in results[r]["next"]
         assert results[r]["after_s"] < 30
+
+
+PAYLOAD_PARTS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring.compression import Compressor
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+
+class TopTwo:
+    """Horovod's shape: a plain class of static methods; its payload holds indices."""
+    @staticmethod
+    def compress(tensor):
+        values, indices = tensor.abs().topk(2)
+        return (tensor[indices], indices), tensor.shape
+
+    @staticmethod
+    def decompress(payload, shape):
+        values, indices = payload
+        return torch.zeros(shape).index_put_((indices,), values)
+
+class Halves(Compressor):
+    """Two summable parts (the sum of the halves is the halves of the sum), declared so."""
+    name = "halves"
+    summable = True
+
+    @staticmethod
+    def compress(tensor):
+        return (tensor[:3].clone(), tensor[3:].clone()), None
+
+    @staticmethod
+    def decompress(payload, ctx):
+        return torch.cat(payload)
+
+class Opaque(Compressor):
+    name = "opaque"
+    summable = False
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(payload, ctx):
+        return payload
+
+x = torch.arange(6, dtype=torch.float32) * (r + 1)
+out = {}
+for label, compression in (("indices", TopTwo), ("opaque", Opaque)):
+    try:
+        hvd.allreduce(x, name=f"grad.{label}", compression=compression, op=hvd.Sum)
+        out[label] = None
+    except ValueError as exc:
+        out[label] = str(exc)
+out["halves"] = hvd.allreduce(x, name="grad.halves", compression=Halves, op=hvd.Sum).tolist()
+out["after"] = hvd.allreduce(x, name="grad.indices", op=hvd.Sum).tolist()  # still usable
+report(out)
+'''
+
+
+def test_a_payload_that_is_not_summable_is_refused_on_every_rank(tmp_path):
+    """A Horovod-style compressor whose payload holds indices is not summed silently: every
+    rank gets a ValueError naming the compressor and the tensor, and nothing is sent; parts
+    declared summable are summed part by part."""
+    size = 2
+    total = [float(i * sum(range(1, size + 1))) for i in range(6)]
+    for out in run_ranks(size, PAYLOAD_PARTS, tmp_path, timeout=60):
+        assert out["indices"] is not None and "TopTwo" in out["indices"], out
+        assert "grad.indices" in out["indices"] and "several parts" in out["indices"]
+        assert "int64 tensor" in out["indices"]
+        assert out["opaque"] is not None and "opaque" in out["opaque"]
+        assert "grad.opaque" in out["opaque"] and "not summable" in out["opaque"]
+        assert out["halves"] == total
+        assert out["after"] == total
 
 
 THREAD_LEVEL = r'''

@@ -285,7 +285,7 @@ def test_large_tensors_are_reduced_where_they_lie_not_packed(tmp_path):
 TWO_OPTIMIZERS = r'''
 import torch
 import fusionring.torch as hvd
-from fusionring import runtime
+from fusionring import state as runtime
 hvd.init()
 r, P = hvd.rank(), hvd.size()
 
@@ -344,7 +344,7 @@ def test_two_optimizers_each_keep_their_fusion_groups(tmp_path):
 BAD_GROUPS_THEN_GOOD = r'''
 import torch
 import fusionring.torch as hvd
-from fusionring import runtime
+from fusionring import state as runtime
 hvd.init()
 model = torch.nn.Linear(3, 2)
 w, b = model.weight, model.bias
@@ -461,7 +461,7 @@ for step in range(3):
 
 errors = {n: (p.detach() - q.detach()).abs().max().item()
           for (n, p), q in zip(model.named_parameters(), reference.parameters())}
-from fusionring import runtime
+from fusionring import state as runtime
 
 # Horovod's check: a second backward of a reduced parameter before step() is refused.
 second = nn.Linear(2, 2)
@@ -502,7 +502,7 @@ SEQUENTIAL_AND_TWIN = r'''
 import copy, os, torch
 import torch.nn as nn
 import fusionring.torch as hvd
-from fusionring import runtime
+from fusionring import state as runtime
 hvd.init()
 R, N = hvd.rank(), hvd.size()
 torch.manual_seed(0)

@@ -1,21 +1,16 @@
-"""Gradient compressors, one file per method, behind Horovod's ``Compression`` names."""
+"""Gradient compressors, one file per method, behind Horovod's ``Compression`` names.
+
+Each method's file registers itself (``register_compressor``); importing it here makes it
+``Compression.<name>``. The protocol a method implements is in :mod:`.base`.
+"""
 from __future__ import annotations
 
-from .base import Compressor, Memory
+from .base import (Capabilities, Compression, Compressor, Memory, capabilities, describe,
+                   lookup_compressor, register_compressor, registered_compressors)
 from .fp16 import FP16Compressor
 from .nm import AdaptiveSchedule, NMCompressor, StepSchedule
-from .nm import nm as _nm
 from .none import NoneCompressor
 
-
-class Compression:
-    """Optional gradient compression used by allreduce and DistributedOptimizer."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    # A factory, not a class: each call makes a compressor with its own residuals and masks.
-    nm = staticmethod(_nm)
-
-
-__all__ = ["Compression", "Compressor", "Memory", "NoneCompressor", "FP16Compressor",
-           "NMCompressor", "StepSchedule", "AdaptiveSchedule"]
+__all__ = ["Compression", "Compressor", "Memory", "Capabilities", "capabilities", "describe",
+           "register_compressor", "registered_compressors", "lookup_compressor",
+           "NoneCompressor", "FP16Compressor", "NMCompressor", "StepSchedule", "AdaptiveSchedule"]

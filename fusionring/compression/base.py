@@ -1,17 +1,58 @@
-"""The Compressor role (Horovod's interface) and the Memory role (error feedback)."""
+"""The compressor protocol, its capabilities, the method registry, and Memory (error feedback).
+
+A compressor is Horovod's ``compress(tensor) -> (payload, ctx)`` and
+``decompress(payload, ctx) -> tensor``, plus capabilities that its class declares (class
+attributes, read by :func:`capabilities`; nothing is guessed from which methods exist):
+
+``summable``
+    True: every part of the payload may be summed on the ring (the sum of encodings is the
+    encoding of the sum). False: the payload must not be summed. None (not declared, as in
+    Horovod's compressors): a single-tensor payload is summed, as Horovod does; a payload of
+    several parts is refused.
+``in_runtime``
+    The compressor reduces on the runtime's background thread: ``communicate(context)``
+    replaces the plain ring for its batches (see :class:`fusionring.reduction.ReductionContext`).
+``reduces_into``
+    ``compress_into(tensor, out) -> ctx`` and ``decompress_into(payload, ctx, out)`` write
+    into tensors the caller keeps, so a training step allocates nothing.
+``stateful``
+    It keeps state across steps (residuals in a :class:`Memory`, say) that
+    ``state_dict()`` / ``load_state_dict()`` save and restore with the optimizer.
+``elementwise``
+    compress() acts element by element, so a fusion group's buffer may be compressed as one
+    tensor (the payload of a concatenation is the concatenation of the payloads).
+``identity``
+    compress() hands the tensor back unchanged (nothing to trace or decode).
+
+Plain classes with static compress/decompress (Horovod's user compressors) declare nothing
+and get the defaults. A method is registered under a name (``register_compressor``) and
+reached as ``Compression.<name>``.
+"""
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import dataclasses
+import functools
+from typing import Any, ClassVar, Dict, Optional, Tuple, TypeVar
 
 import torch
 
+from ..reduction import ReductionContext
+
 
 class Compressor:
-    """Encodes a tensor before it travels and decodes it after.
+    """Encodes a tensor before it travels and decodes it after (Horovod's interface).
 
-    Horovod's interface: ``compress(tensor) -> (payload, ctx)`` and
-    ``decompress(payload, ctx) -> tensor``.
+    Subclasses declare their capabilities as class attributes; the defaults describe a
+    Horovod-style compressor that the caller applies around a plain allreduce.
     """
+
+    name: ClassVar[str] = ""
+    summable: ClassVar[Optional[bool]] = None
+    in_runtime: ClassVar[bool] = False
+    reduces_into: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
+    identity: ClassVar[bool] = False
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> Tuple[Any, Any]:
@@ -20,6 +61,131 @@ class Compressor:
     @staticmethod
     def decompress(tensor: Any, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    # Only for `reduces_into`:
+    def compress_into(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
+        """compress() into `out`, a payload an earlier compress() of the same shape returned."""
+        raise NotImplementedError
+
+    def decompress_into(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """decompress() into `out`, the tensor that was compressed."""
+        raise NotImplementedError
+
+    # Only for `in_runtime`:
+    def communicate(self, context: ReductionContext) -> Optional[int]:
+        """Reduce the batch's outputs in place; return the bytes this rank sent (or None)."""
+        raise NotImplementedError
+
+    # Only for `stateful`:
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a compressor declared (see the module's docstring)."""
+
+    name: str
+    summable: Optional[bool]
+    in_runtime: bool
+    reduces_into: bool
+    stateful: bool
+    elementwise: bool
+    identity: bool
+
+
+_DEFAULT = Capabilities(name="", summable=None, in_runtime=False, reduces_into=False,
+                        stateful=False, elementwise=False, identity=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(cls: type) -> Capabilities:
+    if not issubclass(cls, Compressor):
+        return dataclasses.replace(_DEFAULT, name=cls.__name__)
+    name = cls.name if isinstance(cls.name, str) and cls.name else cls.__name__
+    return Capabilities(name=name, summable=cls.summable,
+                        in_runtime=bool(cls.in_runtime), reduces_into=bool(cls.reduces_into),
+                        stateful=bool(cls.stateful), elementwise=bool(cls.elementwise),
+                        identity=bool(cls.identity))
+
+
+def capabilities(compressor: Any) -> Capabilities:
+    """The capabilities `compressor` (a class or an instance) declares; a compressor that is
+    no Compressor subclass (a Horovod-style plain class) has the defaults."""
+    cls = compressor if isinstance(compressor, type) else type(compressor)
+    declared = _declared(cls)
+    if cls is not compressor and isinstance(getattr(compressor, "name", None), str):
+        own = compressor.name  # an instance may name itself from its configuration
+        if own and own != declared.name:
+            return dataclasses.replace(declared, name=own)
+    return declared
+
+
+def describe(compressor: Any) -> str:
+    """A compressor's name for messages."""
+    return capabilities(compressor).name or repr(compressor)
+
+
+# ---------------------------------------------------------------------- registry
+_REGISTRY: Dict[str, Any] = {}
+_T = TypeVar("_T")
+
+
+def register_compressor(name: str, method: Any = None) -> Any:
+    """Make `method` (a Compressor class, or a factory returning one) ``Compression.<name>``.
+
+    Used as ``register_compressor("fp16", FP16Compressor)`` or as a class decorator
+    ``@register_compressor("fp16")``. A name may be registered once.
+    """
+    def add(obj: _T) -> _T:
+        if not name.isidentifier():
+            raise ValueError(f"compressor name {name!r} must be a Python identifier")
+        if name in _REGISTRY and _REGISTRY[name] is not obj:
+            raise ValueError(f"a compressor named {name!r} is already registered "
+                             f"({_REGISTRY[name]!r})")
+        _REGISTRY[name] = obj
+        return obj
+
+    return add if method is None else add(method)
+
+
+def registered_compressors() -> Dict[str, Any]:
+    """Every registered method by name (``Compression.<name>`` returns the same objects)."""
+    return dict(_REGISTRY)
+
+
+def lookup_compressor(name: str) -> Any:
+    """The method registered under `name`; ValueError naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown compressor {name!r}; registered: "
+                         f"{', '.join(sorted(_REGISTRY))}") from None
+
+
+class _CompressionNames(type):
+    """``Compression.<name>`` looks the name up in the registry."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return _REGISTRY[name]
+        except KeyError:
+            raise AttributeError(f"Compression has no method {name!r}; registered: "
+                                 f"{', '.join(sorted(_REGISTRY))}") from None
+
+    def __dir__(cls):
+        return sorted(set(super().__dir__()) | set(_REGISTRY))
+
+
+class Compression(metaclass=_CompressionNames):
+    """Optional gradient compression used by allreduce and DistributedOptimizer: every
+    registered method by name (``Compression.none``, ``Compression.fp16``,
+    ``Compression.nm(2, 4)``)."""
 
 
 class Memory:
@@ -49,3 +215,7 @@ class Memory:
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         self.residuals = {k: v.clone() for k, v in state.items()}
+
+
+__all__ = ["Capabilities", "Compression", "Compressor", "Memory", "capabilities", "describe",
+           "lookup_compressor", "register_compressor", "registered_compressors"]

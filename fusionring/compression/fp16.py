@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor
+from .base import Compressor, register_compressor
 
 
+@register_compressor("fp16")
 class FP16Compressor(Compressor):
     """Cast floating-point tensors to float16 for the wire and back afterwards."""
+
+    name = "fp16"
+    summable = True       # a sum of float16 values is summed on the ring like any tensor
+    elementwise = True
+    reduces_into = True
 
     @staticmethod
     def compress(tensor: torch.Tensor):

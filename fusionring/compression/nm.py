@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from .. import _C
-from ..runtime import DTYPE_CODES, contiguous_view
+from ..dtypes import DTYPE_CODES, VALUE_CODES, contiguous_view, dtype_name
 from ..timeline import phase_recorder
-from .base import Compressor, Memory
+from ..reduction import ReductionContext
+from .base import Compressor, Memory, register_compressor
 
 
 def _squares(t: torch.Tensor) -> float:
@@ -54,9 +55,6 @@ MAX_M = 32
 # before, so that CPU work hides behind the transfer instead of adding to it. Chunks are
 # large enough (1 MiB of float16 values for 2:4) that per-message costs stay small.
 PIPELINE_CHUNK_ELEMENTS = 1 << 20
-# torch dtype -> the core's DType code for the value dtypes N:M supports.
-VALUE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 # ---------------------------------------------------------------------- validation
@@ -453,7 +451,9 @@ class NMCompressor(Compressor):
     is the kept values (shared mask: summable) or (values, mask words) (per-rank masks).
     """
 
+    summable = None       # shared mask: the kept values; per-rank masks: (values, mask words)
     in_runtime = True
+    stateful = True       # residuals, mask estimates, schedule positions
 
     def __init__(self, n: int = 2, m: int = 4, values: torch.dtype = torch.float32,
                  shared_mask: bool = True, error_feedback: bool = True,
@@ -484,7 +484,7 @@ class NMCompressor(Compressor):
         """Agreed across ranks (negotiation): differing configurations fail loudly."""
         mode = "shared" if self.shared_mask else "per-rank"
         plan = "" if self.schedule is None else f",{type(self.schedule).__name__}"
-        return (f"nm({self.n}:{self.m},{_DTYPE_NAMES[self.values]},{mode},"
+        return (f"nm({self.n}:{self.m},{dtype_name(self.values)},{mode},"
                 f"ef={int(self.error_feedback)}{plan})")
 
     def __repr__(self) -> str:
@@ -607,40 +607,33 @@ class NMCompressor(Compressor):
             self.schedule.observe(state, held / max(_squares(x), 1e-300))
 
     # ------------------------------------------------------------------ runtime path
-    def communicate(self, core, buffer: Optional[torch.Tensor], requests) -> int:
-        """Reduce the requests' outputs in place (the runtime's background thread); returns the
-        bytes this rank sent. `buffer` is the outputs as one tensor, or None where they lie
-        apart (then each is read and written where it lies)."""
-        from ..config import settings
-        from ..negotiation import is_cacheable
-
-        first = requests[0]
-        if first.core_op != 0:
+    def communicate(self, job: ReductionContext) -> int:
+        """Reduce the batch's outputs in place (the runtime's background thread); returns the
+        bytes this rank sent. Each output is read and written where it lies."""
+        if job.core_op != 0:
             raise ValueError(f"Compression.nm reduces with Sum or Average only (tensor "
-                             f"'{first.name}')")
-        sizes = [request.output.numel() for request in requests]
-        outputs = ([request.output.reshape(-1) for request in requests] if buffer is None
-                   else list(torch.split(buffer.reshape(-1), sizes)))
+                             f"'{job.names[0]}')")
+        outputs = job.outputs
+        sizes = [out.numel() for out in outputs]
         views = [out if out.dtype == torch.float32 else out.float() for out in outputs]
-        keys = [request.name if is_cacheable(request.name) else None for request in requests]
-        config = settings()
+        keys = job.keys
         with self._lock:
             wire_before = self.stats["wire_bytes"]
             levels = [self._level(self._state(key)) for key in keys]
             ratios: List[Tuple[_TensorState, float, float]] = []
             if self.shared_mask:
-                self._shared_reduce(core, views, keys, levels, first, config, ratios)
+                self._shared_reduce(job, views, keys, levels, ratios)
             else:
                 start = 0
                 while start < len(views):  # runs of equal (n, m) reduce together
                     end = start + 1
                     while end < len(views) and levels[end] == levels[start]:
                         end += 1
-                    self._per_rank_reduce(core, views[start:end], keys[start:end],
-                                          levels[start], first, config, ratios)
+                    self._per_rank_reduce(job, views[start:end], keys[start:end],
+                                          levels[start], ratios)
                     start = end
             if isinstance(self.schedule, AdaptiveSchedule) and ratios:
-                self._adapt(core, ratios, config)
+                self._adapt(job, ratios)
             for key in keys:
                 if key is not None:
                     self._tensors[key].step += 1
@@ -652,8 +645,8 @@ class NMCompressor(Compressor):
                 out.copy_(view)
         return wire
 
-    def _shared_reduce(self, core, views, keys, levels, first, config, ratios) -> None:
-        prescale, postscale = first.prescale, first.postscale
+    def _shared_reduce(self, job: ReductionContext, views, keys, levels, ratios) -> None:
+        prescale, postscale = job.prescale, job.postscale
         code = VALUE_CODES[self.values]
         esize = torch.empty(0, dtype=self.values).element_size()
         adaptive = isinstance(self.schedule, AdaptiveSchedule)
@@ -720,8 +713,8 @@ class NMCompressor(Compressor):
             lo, hi = chunks[k][0][3], chunks[k][-1][3] + chunks[k][-1][4]
             if hi == lo:  # only empty tensors: the same on every rank
                 return
-            core.allreduce(payload.data_ptr() + lo * esize, hi - lo, code, 0, 1.0, 1.0,
-                           config.ring_segment_bytes, config.small_message_bytes)
+            job.core.allreduce(payload.data_ptr() + lo * esize, hi - lo, code, 0, 1.0, 1.0,
+                               job.ring_segment_bytes, job.small_message_bytes)
 
         def decode(k: int) -> None:
             started = time.perf_counter()
@@ -750,16 +743,15 @@ class NMCompressor(Compressor):
                 self._update_estimate(seg.state, seg.x, None)
             if adaptive and seg.key is not None:
                 ratios.append((seg.state, seg.held, seg.total))
-        size = getattr(core, "size", 1)
+        size = job.size
         self.stats["payload_bytes"] += payload.numel() * payload.element_size()
         self.stats["wire_bytes"] += (payload.numel() * payload.element_size()
                                      * 2 * (size - 1) // max(size, 1))
 
-    def _per_rank_reduce(self, core, views, keys, level, first, config, ratios) -> None:
+    def _per_rank_reduce(self, job: ReductionContext, views, keys, level, ratios) -> None:
         n, m = level
         if n == m:  # dense: the shared path with no mask does exactly that
-            return self._shared_reduce(core, views, keys, [level] * len(views), first,
-                                       config, ratios)
+            return self._shared_reduce(job, views, keys, [level] * len(views), ratios)
         sizes = [x.numel() for x in views]
         sub = contiguous_view(views)  # one compressed ring over all of them
         if sub is None:
@@ -777,10 +769,10 @@ class NMCompressor(Compressor):
                 else:
                     part.zero_()
         if adaptive:  # the compensated input, before the core overwrites the residual
-            compensated = sub * first.prescale + (residual if residual is not None else 0.0)
-        out = core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
-                                residual.data_ptr() if residual is not None else 0,
-                                first.prescale, first.postscale, config.ring_segment_bytes)
+            compensated = sub * job.prescale + (residual if residual is not None else 0.0)
+        out = job.core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
+                                    residual.data_ptr() if residual is not None else 0,
+                                    job.prescale, job.postscale, job.ring_segment_bytes)
         if sub.data_ptr() != views[0].data_ptr():  # reduced in a copy
             for x, offset, numel in zip(views, offsets, sizes):
                 x.copy_(sub[offset:offset + numel])
@@ -804,13 +796,13 @@ class NMCompressor(Compressor):
             + 8 * _C.nm_mask_words(sub.numel()))
         self.stats["wire_bytes"] += out["bytes_sent"]
 
-    def _adapt(self, core, ratios, config) -> None:
+    def _adapt(self, job: ReductionContext, ratios) -> None:
         # One small float64 sum so every rank sees the same ratios and moves in step.
         sums = torch.tensor([v for _, held, total in ratios for v in (held, total)],
                             dtype=torch.float64)
-        core.allreduce(sums.data_ptr(), sums.numel(), 1, 0, 1.0, 1.0, config.ring_segment_bytes,
-                       config.small_message_bytes)
-        size = getattr(core, "size", 1)
+        job.core.allreduce(sums.data_ptr(), sums.numel(), 1, 0, 1.0, 1.0,
+                           job.ring_segment_bytes, job.small_message_bytes)
+        size = job.size
         self.stats["wire_bytes"] += sums.numel() * 8 * 2 * (size - 1) // max(size, 1)
         for i, (state, _, _) in enumerate(ratios):
             held, total = float(sums[2 * i]), float(sums[2 * i + 1])
@@ -819,7 +811,7 @@ class NMCompressor(Compressor):
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict:
         schedule = None if self.schedule is None else self.schedule.describe()
-        return {"n": self.n, "m": self.m, "values": _DTYPE_NAMES[self.values],
+        return {"n": self.n, "m": self.m, "values": dtype_name(self.values),
                 "shared_mask": self.shared_mask, "error_feedback": self.error_feedback,
                 "schedule": schedule}
 
@@ -858,3 +850,6 @@ def nm(n: int = 2, m: int = 4, values: torch.dtype = torch.float32, shared_mask:
        error_feedback: bool = True, schedule=None) -> NMCompressor:
     """``Compression.nm(...)``: a new N:M compressor (one per optimizer: it keeps state)."""
     return NMCompressor(n, m, values, shared_mask, error_feedback, schedule)
+
+
+register_compressor("nm", nm)

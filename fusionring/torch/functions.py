@@ -19,9 +19,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from .. import runtime as _rt
-from ..compression import Compression
+from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using(), init, shutdown
+from ..dtypes import check_dtype, complex_result, dtype_name, real_view
+from ..compression import Compression, capabilities, describe
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
+from ..runtime import Request
 from ..process_sets import ProcessSet, register_at_init, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 from .threads import fit_intra_op_threads
@@ -151,7 +153,7 @@ def communication_stats() -> Dict[str, Any]:
 @dataclasses.dataclass
 class _Operation:
     handles: List[int]
-    finish: Callable[[List[_rt.Request]], Any]
+    finish: Callable[[List[Request]], Any]
     runtime: Any = None  # the runtime the handles belong to (a process set's, or global)
 
 
@@ -161,7 +163,7 @@ _auto_names = itertools.count()
 _handles_lock = threading.Lock()
 
 
-def _register(handles: List[int], finish: Callable[[List[_rt.Request]], Any]) -> int:
+def _register(handles: List[int], finish: Callable[[List[Request]], Any]) -> int:
     runtime = _rt.get("a collective operation")
     with _handles_lock:
         handle = next(_operation_ids)
@@ -260,21 +262,21 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
     if reduced:
-        _rt.check_dtype(tensor, name)
+        check_dtype(tensor, name)
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
     if tensor.is_cpu and tensor.is_contiguous():  # every CPU gradient: skip the no-op copies
         host = tensor.detach()
     else:
         host = tensor.detach().to("cpu").contiguous()
-    return _rt.real_view(host) if reduced else host
+    return real_view(host) if reduced else host
 
 
 def _check_complex_op(tensor: torch.Tensor, op: ReduceOp, kind: str, name: Optional[str]) -> None:
     # Summing the parts is summing the numbers; an order or a product of them is not partwise.
     if tensor.is_complex() and op not in (ReduceOp.Sum, ReduceOp.Average):
         raise ValueError(f"{_described(kind, name)}: op={op.name} is not defined for complex "
-                         f"tensors ({_rt.dtype_name(tensor.dtype)}); use Sum or Average")
+                         f"tensors ({dtype_name(tensor.dtype)}); use Sum or Average")
 
 
 def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -283,7 +285,7 @@ def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
                        prescale_factor: float, postscale_factor: float,
-                       in_place: bool, compression=None) -> _rt.Request:
+                       in_place: bool, compression=None) -> Request:
     runtime = _rt.get("allreduce")
     full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
@@ -295,10 +297,11 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
     # buffer) travel with the request; Horovod-style ones were applied by the caller.
-    in_runtime = compression is not None and getattr(compression, "in_runtime", False)
+    caps = capabilities(compression) if compression is not None else None
+    in_runtime = caps is not None and caps.in_runtime
     spec = _allreduce_spec(tensor.dtype, tuple(tensor.shape), reduce_op, float(prescale_factor),
-                           float(postscale_factor), compression.name if in_runtime else "")
-    return _rt.Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
+                           float(postscale_factor), caps.name if in_runtime else "")
+    return Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
                        communicator=compression.communicate if in_runtime else None)
 
 
@@ -307,7 +310,7 @@ def _allreduce_spec(dtype: torch.dtype, shape: Tuple[int, ...], op: ReduceOp, pr
                     postscale: float, compression: str) -> TensorSpec:
     # One shared object per distinct spec: a gradient's spec is the same every step, and
     # the negotiation compares specs by identity first.
-    return TensorSpec("allreduce", _rt.dtype_name(dtype), shape, op=op.name, prescale=prescale,
+    return TensorSpec("allreduce", dtype_name(dtype), shape, op=op.name, prescale=prescale,
                       postscale=postscale, compression=compression)
 
 
@@ -318,13 +321,13 @@ def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> N
                          f"not {size_}")
     if not tensor.is_floating_point():
         raise ValueError(f"allreduce '{name}': op=Adasum needs a floating-point tensor, not "
-                         f"{_rt.dtype_name(tensor.dtype)}")
-    if compression is not None and getattr(compression, "in_runtime", False):
+                         f"{dtype_name(tensor.dtype)}")
+    if compression is not None and capabilities(compression).in_runtime:
         raise ValueError(f"allreduce '{name}': op=Adasum cannot be combined with "
-                         f"{compression.name} compression")
+                         f"{describe(compression)} compression")
 
 
-def _submit(requests: List[_rt.Request]) -> List[int]:
+def _submit(requests: List[Request]) -> List[int]:
     runtime = _rt.get("a collective operation")
     handles = []
     try:
@@ -343,10 +346,10 @@ def _submit(requests: List[_rt.Request]) -> List[int]:
 def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
     """Result finisher: copy into the user's tensors for in-place ops, else return outputs."""
 
-    def finish(requests: List[_rt.Request]):
+    def finish(requests: List[Request]):
         results = []
         for request, target in zip(requests, targets):
-            out = _rt.complex_result(request.spec, request.output)
+            out = complex_result(request.spec, request.output)
             if target is not None:
                 if out.data_ptr() != target.data_ptr():
                     with torch.no_grad():
@@ -361,8 +364,8 @@ def _finish_into(targets: Sequence[Optional[torch.Tensor]], single: bool):
 def _outputs_on(devices: Sequence[torch.device], single: bool):
     """Result finisher: each request's output, moved back to its input's device."""
 
-    def finish(requests: List[_rt.Request]):
-        outputs = [_rt.complex_result(r.spec, r.output) for r in requests]
+    def finish(requests: List[Request]):
+        outputs = [complex_result(r.spec, r.output) for r in requests]
         outputs = [o.to(d) if d.type != "cpu" else o for o, d in zip(outputs, devices)]
         return outputs[0] if single else outputs
 
@@ -426,7 +429,7 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     for the wire (Compression.fp16 sends float16).
     """
     reduce_op = resolve_op(op, average)
-    if getattr(compression, "in_runtime", False):  # e.g. Compression.nm: reduced in the runtime
+    if capabilities(compression).in_runtime:  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
                                             prescale_factor=prescale_factor,
                                             postscale_factor=postscale_factor,
@@ -434,6 +437,7 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     started = time.perf_counter()
     tensor_compressed, ctx = compression.compress(tensor)
     trace_compression(compression, name, "compress", started)
+    check_summable(compression, tensor_compressed, name)
     if isinstance(tensor_compressed, torch.Tensor):
         if _needs_grad(tensor_compressed):
             summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op,
@@ -455,7 +459,8 @@ def trace_compression(compression, name: Optional[str], phase: str, started: flo
     """Put a caller-side compress or decompress of tensor `name`, begun at `started`
     (time.perf_counter), on the timeline beside its reduction, when one records.
     `runtime`: the one the tensor is reduced on (default: where operations are routed)."""
-    if compression is Compression.none or getattr(compression, "in_runtime", False):
+    caps = capabilities(compression)
+    if caps.identity or caps.in_runtime:
         return  # nothing happened here; in-runtime compressors record their own phases
     runtime = runtime or _rt.routed()
     if runtime is not None:  # records nothing unless a timeline is being written
@@ -463,8 +468,34 @@ def trace_compression(compression, name: Optional[str], phase: str, started: flo
                             phase, started, time.perf_counter())
 
 
+def check_summable(compression, payload, name: Optional[str]) -> None:
+    """Refuse a payload that a summing allreduce would corrupt, on every rank alike (the
+    compressor and its payload's structure are the same everywhere).
+
+    A payload of several parts is summed part by part only when its compressor declares
+    ``summable = True``: a part holding indices or a codebook would be summed silently. A
+    single tensor is summed unless the compressor declares ``summable = False``."""
+    caps = capabilities(compression)
+    if caps.summable is True:
+        return
+    what = f"allreduce '{name}'" if name is not None else "allreduce"
+    if caps.summable is False:
+        raise ValueError(f"{what}: the {describe(compression)} compressor declares its payload "
+                         f"not summable (summable = False), so it cannot go through a summing "
+                         f"allreduce; reduce it inside the runtime (in_runtime) or allgather it")
+    if not isinstance(payload, torch.Tensor):
+        parts = (", ".join(type(p).__name__ if not isinstance(p, torch.Tensor)
+                           else f"{dtype_name(p.dtype)} tensor" for p in payload)
+                 if isinstance(payload, (tuple, list)) else type(payload).__name__)
+        raise ValueError(f"{what}: the {describe(compression)} compressor returned a payload "
+                         f"of several parts ({parts}); an allreduce sums every part, which is "
+                         f"only right for summable encodings (not indices or a codebook). "
+                         f"Declare summable = True on a fusionring.compression.Compressor "
+                         f"subclass if the sum of payloads is the payload of the sum")
+
+
 def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, postscale):
-    """Compressors whose payload is several tensors reduce each part (summable encodings)."""
+    """Compressors whose payload is several summable parts reduce each part."""
     parts = list(payload)
     base = name if name is not None else f"compressed{AUTO_NAME_MARK}{next(_auto_names)}"
     reduced = grouped_allreduce(parts, name=base, op=reduce_op, prescale_factor=prescale,
@@ -534,7 +565,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results (differentiable)."""
     tensors = list(tensors)
-    if getattr(compression, "in_runtime", False):
+    if capabilities(compression).in_runtime:
         handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
                                     postscale_factor, compression=compression)
                    for t, n in zip(tensors, _group_names(name, len(tensors)))]
@@ -542,6 +573,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
     if not tensors:
         return []
     compressed = [compression.compress(t) for t in tensors]
+    for (payload, _), part in zip(compressed, _group_names(name, len(tensors))):
+        check_summable(compression, payload, part)
     outputs = _GroupedAllreduceFunction.apply(name, resolve_op(op, average), prescale_factor,
                                               postscale_factor, *[c[0] for c in compressed])
     return [compression.decompress(o, c[1]) for o, c in zip(outputs, compressed)]
@@ -557,14 +590,14 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
 
 
 # ---------------------------------------------------------------------- allgather
-def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> _rt.Request:
+def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> Request:
     _rt.get("allgather")
     full = _full_name("allgather", name)
     host = _host(tensor, name or full, reduced=False)
     if host.dim() == 0:
         host = host.reshape(1)
-    spec = TensorSpec("allgather", _rt.dtype_name(tensor.dtype), tuple(host.shape))
-    return _rt.Request(full, spec, host, None)
+    spec = TensorSpec("allgather", dtype_name(tensor.dtype), tuple(host.shape))
+    return Request(full, spec, host, None)
 
 
 @_routed
@@ -689,7 +722,7 @@ def _alltoall_splits(splits, rows: int, size: int, what: str) -> List[int]:
         if (splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype.is_complex
                 or splits.dtype == torch.bool):
             raise ValueError(f"{what}: splits must be a 1-D integer tensor, not a "
-                             f"{splits.dim()}-D {_rt.dtype_name(splits.dtype)} tensor")
+                             f"{splits.dim()}-D {dtype_name(splits.dtype)} tensor")
         values = [int(v) for v in splits.tolist()]
     else:
         try:
@@ -711,7 +744,7 @@ def _alltoall_splits(splits, rows: int, size: int, what: str) -> List[int]:
     return values
 
 
-def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> _rt.Request:
+def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> Request:
     runtime = _rt.get("alltoall")
     what = _described("alltoall", name)
     # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
@@ -719,8 +752,8 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> _rt.
     if host.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to split")
     sent = _alltoall_splits(splits, host.shape[0], runtime.size, what)
-    spec = TensorSpec("alltoall", _rt.dtype_name(tensor.dtype), tuple(host.shape))
-    return _rt.Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent})
+    spec = TensorSpec("alltoall", dtype_name(tensor.dtype), tuple(host.shape))
+    return Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent})
 
 
 @_routed
@@ -778,7 +811,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
 
 # ---------------------------------------------------------------------- reducescatter
 def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
-                           prescale_factor: float, postscale_factor: float) -> _rt.Request:
+                           prescale_factor: float, postscale_factor: float) -> Request:
     runtime = _rt.get("reducescatter")
     what = _described("reducescatter", name)
     reduce_op = resolve_op(op)
@@ -789,10 +822,10 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
     _check_complex_op(tensor, reduce_op, "reducescatter", name)
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
-    spec = TensorSpec("reducescatter", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
+    spec = TensorSpec("reducescatter", dtype_name(tensor.dtype), tuple(tensor.shape),
                       op=reduce_op.name, prescale=float(prescale_factor),
                       postscale=float(postscale_factor))
-    return _rt.Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
+    return Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
                        prescale=pre, postscale=post)
 
 
@@ -857,7 +890,7 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
 
 def _wire_form(compression, tensor: torch.Tensor, kind: str):
     """Apply a Horovod-style compressor; those that reduce inside the runtime do not fit."""
-    if getattr(compression, "in_runtime", False):
+    if capabilities(compression).in_runtime:
         raise ValueError(f"{kind} takes Compression.none or Compression.fp16; "
                          f"{compression!r} reduces inside the allreduce only")
     payload, ctx = compression.compress(tensor)
@@ -900,7 +933,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 
 # ---------------------------------------------------------------------- broadcast
 def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str],
-                       in_place: bool) -> _rt.Request:
+                       in_place: bool) -> Request:
     runtime = _rt.get("broadcast")
     root = int(root_rank)
     what = _described("broadcast", name)
@@ -915,9 +948,9 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
     full = _full_name("broadcast", name)
     host = _host(tensor, name or full, reduced=False)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
-    spec = TensorSpec("broadcast", _rt.dtype_name(tensor.dtype), tuple(tensor.shape),
+    spec = TensorSpec("broadcast", dtype_name(tensor.dtype), tuple(tensor.shape),
                       root=root)
-    return _rt.Request(full, spec, host, output, root=root)
+    return Request(full, spec, host, output, root=root)
 
 
 @_routed
@@ -1051,7 +1084,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
 def barrier(process_set=None) -> None:
     """Block until every rank reaches the barrier."""
     runtime = _rt.get("barrier()")
-    request = _rt.Request("barrier", TensorSpec("barrier", "none", ()),
+    request = Request("barrier", TensorSpec("barrier", "none", ()),
                           torch.empty(0, dtype=torch.uint8), None)
     synchronize(_register([runtime.submit(request)], lambda requests: None))
 
@@ -1065,7 +1098,7 @@ def join(device: int = -1) -> int:
     not hang. `device` is accepted for Horovod compatibility (tensors stay on the host).
     """
     runtime = _rt.get("join()")
-    request = _rt.Request("join", TensorSpec("join", "none", ()),
+    request = Request("join", TensorSpec("join", "none", ()),
                           torch.empty(0, dtype=torch.uint8), None)
     return int(runtime.wait(runtime.submit(request)).payload)
 

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import runtime as _rt
-from ..compression import Compression
+from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using()
+from ..compression import Compression, capabilities
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
 from ..process_sets import runtime_for
@@ -150,6 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._optimizer = optimizer
         self._compression = compression
+        self._caps = capabilities(compression)  # what the compressor declared it can do
         self._op = op
         # Adasum combines updates, not gradients: each parameter takes its local step as soon
         # as its gradient is ready, and the step (the delta) is what ranks combine.
@@ -192,7 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             runtime.set_fusion_groups([[f"allreduce.{self._tensor_name(p)}"]
                                        for p in self._requires_update], label=self._auto_label)
         elif (gradient_buffer and fusion_groups is None and self._size > 1 and not self._adasum
-              and compression is Compression.none
+              and self._caps.identity
               and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
             self._ready_order, self._after_first_step = [], self._lay_out_gradients
         if self._size > 1:
@@ -248,7 +249,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Known groups let each gradient live in its group's fusion buffer, as DDP's
         # gradient_as_bucket_view does: no pack/unpack copies around the reduction.
         # Compressors that act element by element can compress a group's buffer as a whole.
-        if self._compression in (Compression.none, Compression.fp16):
+        if self._caps.elementwise:
             self._grad_views = self._group_buffers(fusion_groups)
         if self._size > 1:
             # One label per optimizer, so a GAN's two optimizers each keep their groups.
@@ -407,10 +408,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _submit_unit(self, unit: _Unit) -> None:
         payload = unit.flat
-        if self._compression is not Compression.none:
+        if not self._caps.identity:
             started = time.perf_counter()
-            if unit.wire is None:
+            if unit.wire is None or not self._caps.reduces_into:
                 unit.wire, unit.ctx = self._compression.compress(unit.flat)
+                F.check_summable(self._compression, unit.wire, unit.name)
             elif unit.wire is not unit.flat:
                 with torch.no_grad():
                     unit.ctx = self._compression.compress_into(unit.flat, unit.wire)
@@ -432,7 +434,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if unit.wire is not None and unit.wire is not unit.flat:
             started = time.perf_counter()
             with torch.no_grad():
-                self._compression.decompress_into(unit.wire, unit.ctx, unit.flat)
+                if self._caps.reduces_into:
+                    self._compression.decompress_into(unit.wire, unit.ctx, unit.flat)
+                else:
+                    unit.flat.copy_(self._compression.decompress(unit.wire, unit.ctx))
             F.trace_compression(self._compression, unit.name, "decompress", started,
                                 runtime=self._set_runtime)
 
@@ -457,7 +462,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                 op=self._op), _SPARSE
             grad = grad.to_dense()  # reduced dense; the result goes back sparse
         prescale, postscale = self._scale_factors()
-        if getattr(self._compression, "in_runtime", False):
+        if self._caps.in_runtime:
             # The compressor reduces the fused buffer itself; its decompress(x, None) is x.
             handle = F.allreduce_async_(grad, name=self._tensor_name(p), op=self._op,
                                         prescale_factor=prescale, postscale_factor=postscale,
@@ -466,6 +471,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         started = time.perf_counter()
         compressed, ctx = self._compress(p, grad)
         self._trace(p, "compress", started)
+        F.check_summable(self._compression, compressed, self._tensor_name(p))
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=self._op,
                                     prescale_factor=prescale, postscale_factor=postscale)
         return handle, ctx
@@ -478,7 +484,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _compress(self, p: torch.Tensor, grad: torch.Tensor):
         """The compressor's payload for `grad`, written into last step's payload when the
         compressor can (its reduction finished in synchronize(), so the memory is free)."""
-        into = getattr(self._compression, "compress_into", None)
+        into = self._compression.compress_into if self._caps.reduces_into else None
         wire = self._wire_buffers.get(p)
         if (into is not None and wire is not None and wire.shape == grad.shape
                 and not grad.is_sparse):
@@ -554,7 +560,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 errors.append(exc)
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
-            into = getattr(self._compression, "decompress_into", None)
+            into = self._compression.decompress_into if self._caps.reduces_into else None
             started = time.perf_counter()
             if (into is not None and ctx is not _SPARSE and not self._adasum
                     and not p.grad.is_sparse):
@@ -644,10 +650,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self):
         state = self._optimizer.state_dict()
-        extra = getattr(self._compression, "state_dict", None)
-        if callable(extra):
+        if self._caps.stateful:
             state = dict(state)
-            state["fusionring"] = {"compression": extra()}
+            state["fusionring"] = {"compression": self._compression.state_dict()}
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -656,7 +661,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.load_state_dict(state_dict)
         self.param_groups = self._optimizer.param_groups
         self.state = self._optimizer.state
-        if extra and callable(getattr(self._compression, "load_state_dict", None)):
+        if extra and self._caps.stateful:
             self._compression.load_state_dict(extra["compression"])
 
     def add_param_group(self, param_group: dict) -> None:

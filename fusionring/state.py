@@ -1,0 +1,170 @@
+"""Process-wide state: the global runtime (init, shutdown, get) and where operations go.
+
+Above the runtime: it starts one (`init`), stops it (`shutdown`, also at interpreter exit)
+and routes operations to it or to a process set's runtime (`using`, `current`, `get`).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import os
+import socket
+import sys
+from typing import Callable, List, Optional
+
+from .config import launcher_world_size, mpi_launch_variable, settings
+from .exceptions import FusionRingError, NotInitializedError
+from .runtime import Runtime, close_shared_memory
+
+_runtime: Optional[Runtime] = None  # the global runtime, after init()
+_atexit_registered = False
+# Called by shutdown() before the global runtime stops (process sets register theirs here,
+# so that this module need not know about them).
+_shutdown_hooks: List[Callable[[], None]] = []
+
+
+def _check_not_a_lone_copy(MPI) -> None:
+    """Fail when a launcher started several processes but MPI sees only this one.
+
+    That happens under torchrun, or under another MPI's mpirun than the one mpi4py was
+    built with: each process would train alone, silently, as a world of one.
+    """
+    announced = launcher_world_size()
+    if announced is None:
+        return
+    variable, size = announced
+    raise FusionRingError(
+        f"{variable}={size}: this process was started as one of {size}, but MPI "
+        f"({' '.join(MPI.Get_library_version().split()[:3])}) sees a world of 1. "
+        f"fusionring's ranks are MPI processes: launch with `fusionrun -np {size} python ...` "
+        f"or the mpirun/mpiexec of the MPI that mpi4py was built with, not torchrun or "
+        f"another MPI's launcher (unset {variable} to run a single process).")
+
+
+def _check_not_a_worker_process() -> None:
+    """A process that multiprocessing started from a rank with spawn or forkserver (a
+    DataLoader worker, say) inherits the rank's launcher variables but is no rank: MPI_Init
+    would abort there with a launcher error. Name the cause instead."""
+    import multiprocessing
+
+    variable = mpi_launch_variable()
+    # Such a process imports the script as a module named __mp_main__. (multiprocessing
+    # also files the main module of any process under that key, with its own name; a forked
+    # process keeps that one, and can still reach the launcher through the descriptors it
+    # inherited.)
+    imported_as = getattr(sys.modules.get("__mp_main__"), "__name__", None)
+    if variable is None or imported_as != "__mp_main__":
+        return
+    raise FusionRingError(
+        f"init() was called in process {os.getpid()} "
+        f"({multiprocessing.current_process().name}), which multiprocessing started from MPI "
+        f"rank {os.environ[variable]} ({variable} is inherited). Such a process, a DataLoader "
+        f"worker with multiprocessing_context 'spawn' or 'forkserver' for example, imports the "
+        f"script again and cannot join the job: call init() inside `if __name__ == "
+        f"'__main__':` or a main() function, so that only the ranks run it.")
+
+
+def _record_process(rank: int) -> None:
+    """Under fusionrun, note this rank's process id where the launcher reads it back if the
+    job fails (MPICH's launcher names a dead process only by its id)."""
+    folder = settings().rank_records_dir
+    if not folder or not os.path.isdir(folder):
+        return  # not launched by fusionrun, or on another host than the launcher
+    try:
+        with open(os.path.join(folder, f"rank.{rank}"), "w") as out:
+            out.write(f"{os.getpid()} {socket.gethostname()}\n")
+    except OSError:
+        pass  # a note for error messages only: never a reason to fail
+
+
+def init(comm=None) -> Runtime:
+    """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
+    global _runtime, _atexit_registered
+    if _runtime is not None and _runtime.alive:
+        return _runtime
+    if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
+        _check_not_a_worker_process()
+    from mpi4py import MPI
+
+    if isinstance(comm, (list, tuple)):
+        ranks = [int(r) for r in comm]
+        comm = MPI.COMM_WORLD.Create(MPI.COMM_WORLD.Get_group().Incl(ranks))
+        if comm == MPI.COMM_NULL:
+            raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()} is not among the ranks {ranks} "
+                             f"passed to init(); every process must call init() with its ranks")
+    elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
+        _check_not_a_lone_copy(MPI)
+    _runtime = Runtime(comm)
+    _record_process(MPI.COMM_WORLD.Get_rank())
+    if not _atexit_registered:
+        # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
+        atexit.register(close_shared_memory)
+        atexit.register(shutdown)
+        _atexit_registered = True
+    return _runtime
+
+
+def shutdown() -> None:
+    """Stop the runtime on this rank; ranks still running see their pending ops fail."""
+    global _runtime
+    for hook in list(_shutdown_hooks):
+        hook()
+    if _runtime is not None:
+        runtime, _runtime = _runtime, None
+        runtime.shutdown()
+
+
+# The runtime of the process set an operation was called with (see fusionring.process_sets);
+# unset, operations run on the global runtime.
+_current: "contextvars.ContextVar[Optional[Runtime]]" = contextvars.ContextVar(
+    "fusionring_runtime", default=None)
+
+
+@contextlib.contextmanager
+def using(runtime: Optional[Runtime]):
+    """Route operations started inside the block to `runtime` (None: the global one)."""
+    token = _current.set(runtime)
+    try:
+        yield runtime
+    finally:
+        _current.reset(token)
+
+
+def current() -> Optional[Runtime]:
+    """The process set's runtime operations are routed to here, or None (global)."""
+    return _current.get()
+
+
+def routed() -> Optional[Runtime]:
+    """The runtime operations started here go to (a process set's, or the global one), or
+    None before init()."""
+    return _current.get() or _runtime
+
+
+def get(what: str = "this operation") -> Runtime:
+    """The live runtime, or NotInitializedError naming what was attempted."""
+    routed = _current.get()
+    if routed is not None:
+        return routed
+    if _runtime is None:
+        raise NotInitializedError(what)
+    return _runtime
+
+
+def is_initialized() -> bool:
+    """Whether init() has run (and shutdown() has not) on this rank."""
+    return _runtime is not None
+
+
+def global_runtime(what: str = "this operation") -> Runtime:
+    """The global runtime, whatever process set operations are routed to here."""
+    if _runtime is None:
+        raise NotInitializedError(what)
+    return _runtime
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Run `hook` at the start of every shutdown(), before the global runtime stops."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
