@@ -76,11 +76,11 @@ setup(
     packages=find_packages(include=["fusionring", "fusionring.*"]),
     ext_modules=[CMakeExtension("fusionring._C")],
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=["torch>=2.1", "numpy", "mpi4py>=3.1", "cloudpickle", "pyyaml"] + _mpi_requirement(),
+    install_requires=["torch>=2.1", "numpy", "mpi4py>=3.1", "cloudpickle", "pyyaml", "psutil"] + _mpi_requirement(),
     extras_require={
         "examples": ["scikit-learn", "tqdm"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
-        "test": ["pytest", "pytest-timeout", "scikit-learn", "tqdm", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "scikit-learn", "tqdm", "matplotlib", "import-linter"],
     },
     entry_points={
         "console_scripts": [

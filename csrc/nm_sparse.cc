@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define FR_NM_X86 1
 #include <immintrin.h>
@@ -522,18 +524,7 @@ FR_AVX2 std::size_t track_avx2(float* estimate, float* wait, const float* reduce
   return e;
 }
 
-int cpu_vector_level() {
-  __builtin_cpu_init();
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") &&
-        __builtin_cpu_supports("f16c"))) {
-    return 0;
-  }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return 2;
-  }
-  return 1;
-}
+int cpu_vector_level() { return cpu::vector_level(); }
 #else
 int cpu_vector_level() { return 0; }
 #endif

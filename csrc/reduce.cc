@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define FUSIONRING_X86 1
@@ -108,10 +110,7 @@ __attribute__((target("avx,f16c"))) void narrow_half_f16c(const float* __restric
   for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
-bool cpu_has_f16c() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  return has;
-}
+inline bool cpu_has_f16c() { return cpu::has_f16c(); }
 #endif
 
 template <typename Op>

@@ -26,13 +26,14 @@ import shlex
 import signal
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from fusionring import network
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DOC_DIR = REPO_ROOT / "docs" / "benchmarks"
@@ -467,25 +468,10 @@ def interface_address(interface: str) -> str:
     """The IPv4 address of ``interface`` in this network namespace (``127.0.0.1`` for ``lo``)."""
     if interface == "lo":
         return "127.0.0.1"
-    import fcntl
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", interface.encode()[:15]))
-    return socket.inet_ntoa(packed[20:24])
-
-
-def interface_tx_bytes(interface: str) -> Optional[int]:
-    """Bytes ``interface`` has transmitted (this namespace's /proc/net/dev), or None if absent."""
-    try:
-        with open("/proc/net/dev") as table:
-            for line in table:
-                name, sep, counters = line.partition(":")
-                if sep and name.strip() == interface:
-                    return int(counters.split()[8])
-    except OSError:
-        pass
-    return None
+    address = network.interface_address(interface)
+    if address is None:
+        raise ValueError(f"network interface {interface!r} has no IPv4 address here")
+    return address
 
 
 def _init_gloo(comm, interface: str) -> str:
@@ -514,7 +500,7 @@ class _RankCounters:
         self._interface = None if interface == "lo" else interface
 
     def wire(self) -> Optional[int]:
-        return interface_tx_bytes(self._interface) if self._interface else None
+        return network.interface_tx_bytes(self._interface) if self._interface else None
 
     def mean_delta(self, before: Optional[float], after: Optional[float]) -> Optional[float]:
         delta = None if before is None or after is None else after - before

@@ -33,6 +33,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import launcher
+from .network import interface_address
 
 TOKEN_ENV = "FUSIONRING_RUN_TOKEN"
 _HEADER = struct.Struct("!Q")
@@ -111,7 +112,7 @@ def _driver_address(hosts: Optional[str], network_interface: Optional[str]) -> s
     if not hosts:
         return "127.0.0.1"
     if network_interface:
-        address = _interface_address(network_interface.split(",")[0].strip())
+        address = interface_address(network_interface.split(",")[0].strip())
         if address:
             return address
     first = hosts.split(",")[0].partition(":")[0]
@@ -121,19 +122,6 @@ def _driver_address(hosts: Optional[str], network_interface: Optional[str]) -> s
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def _interface_address(name: str) -> Optional[str]:
-    """The IPv4 address of network interface `name` (Linux), or None."""
-    import fcntl
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            packed = fcntl.ioctl(probe.fileno(), 0x8915,  # SIOCGIFADDR
-                                 struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def _forward(stream, target) -> None:
