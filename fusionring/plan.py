@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
+from . import units
+
 PLAN_FORMAT = "fusionring-plan"
 PLAN_VERSION = 1
 
@@ -734,11 +736,8 @@ def make_plan(model: torch.nn.Module, sample_batch: Any, *, buffer_bytes: Option
 
 
 def format_bytes(nbytes: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
+    """1536 -> '1.50 KiB' (two decimals, as plan summaries line them up)."""
+    return units.format_bytes(nbytes, decimals=2)
 
 
 def summarize(plan: Plan, max_rows: int = 40) -> str:

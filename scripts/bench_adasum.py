@@ -23,11 +23,12 @@ import sys
 import time
 from typing import Callable, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _benchutil import (add_run_options, bar_plot, finish_run, start_run, DOCS_DIR, BenchDoc,
-                        format_ratio, format_seconds, interleaved, launch_under_mpiexec,
-                        load_average, print_table, ratio, summarize, write_result)  # noqa: E402
+from fusionring.bench.util import (add_run_options, bar_plot, finish_run, start_run, DOCS_DIR,
+                                   BenchDoc, format_ratio, format_seconds, interleaved,
+                                   launch_under_mpiexec, load_average, print_table, ratio,
+                                   summarize, write_result)  # noqa: E402
 
 MPI_NAME = "MPI float32"
 DTYPES = ("float32", "float16", "bfloat16")

@@ -33,12 +33,12 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _benchutil import (add_run_options, finish_run, start_run, DOCS_DIR, KIB, MIB, BenchDoc, format_bytes,
-                        format_ratio, format_seconds, free_port, launch_under_mpiexec, line_plot,
-                        load_average, parse_sizes, print_table, ratio, Run, summarize,
-                        write_result)  # noqa: E402
+from fusionring.bench.util import (add_run_options, finish_run, start_run, DOCS_DIR, KIB, MIB,
+                                   BenchDoc, format_bytes, format_ratio, format_seconds, free_port,
+                                   launch_under_mpiexec, line_plot, load_average, parse_sizes,
+                                   print_table, ratio, Run, summarize, write_result)  # noqa: E402
 
 MPI_NAME, CORE_NAME, HVD_NAME, GLOO_NAME = "MPI", "core", "hvd", "gloo"
 SHM_NAME = CORE_NAME + " shm"

@@ -41,12 +41,12 @@ import sys
 import time
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _benchutil import (add_run_options, finish_run, start_run, DOCS_DIR, BenchDoc, bar_plot,
-                        coefficient_of_variation, format_bytes, format_ratio, free_port,
-                        launch_under_mpiexec, load_average, parse_sizes, print_table, ratio, Run,
-                        summarize, write_result)  # noqa: E402
+from fusionring.bench.util import (add_run_options, finish_run, start_run, DOCS_DIR, BenchDoc,
+                                   bar_plot, coefficient_of_variation, format_bytes, format_ratio,
+                                   free_port, launch_under_mpiexec, load_average, parse_sizes,
+                                   print_table, ratio, Run, summarize, write_result)  # noqa: E402
 
 CONFIGS = ("none", "packed", "threshold", "plan", "ddp", "compute")
 LABELS = {"none": "no fusion", "threshold": "threshold fusion",

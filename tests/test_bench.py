@@ -125,3 +125,27 @@ def test_the_adasum_benchmark_times_every_dtype_and_writes_its_page(tmp_path):
     for row in ("Adasum float32", "Adasum float16", "Adasum bfloat16", "Sum float16", "MPI float32"):
         assert f"| {row} |" in page
     assert "python scripts/bench_adasum.py --ranks 2" in page and (tmp_path / "adasum.png").exists()
+
+
+def test_benchmark_pages_share_one_table_and_one_kept_section_helper(tmp_path):
+    """fusionring bench's page and the scripts' pages go through the same helpers."""
+    from fusionring.bench import util
+
+    assert util.markdown_table(["a", "b"], [[1, 2]], align="--") == "| a | b |\n| --- | --- |\n| 1 | 2 |"
+    assert util.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|:---|---:|\n| 1 | 2 |"
+    page = tmp_path / "page.md"
+    page.write_text(f"# t\n\n## Findings\nkept by hand\n\n## Table\nx\n\n"
+                    f"{bench.FINDINGS_START}\nnotes\n{bench.FINDINGS_END}\nrest\n")
+    assert util.preserved_section(str(page), "Findings") == "kept by hand"
+    assert bench.kept_findings(page) == f"{bench.FINDINGS_START}\nnotes\n{bench.FINDINGS_END}"
+    assert util.preserved_section(str(tmp_path / "absent.md"), "Findings") is None
+
+
+def test_one_format_bytes_serves_benchmarks_and_plans():
+    from fusionring import plan, units
+    from fusionring.bench import util
+
+    assert util.format_bytes is units.format_bytes
+    assert [units.format_bytes(n) for n in (100, 4096, 1.25 * 2 ** 20)] == ["100 B", "4 KiB",
+                                                                          "1.25 MiB"]
+    assert plan.format_bytes(1536) == "1.50 KiB" and plan.format_bytes(3 << 30) == "3.00 GiB"

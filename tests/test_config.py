@@ -139,13 +139,17 @@ class _Host:
         self.local_cores, self.local_rank = local_cores, local_rank
         self.local_size = len(local_cores)
 
+    def _layout(self):
+        from fusionring.runtime.topology import HostLayout
+        return HostLayout(rank=self.local_rank, size=self.local_size, local_rank=self.local_rank,
+                          local_size=self.local_size, local_cores=self.local_cores,
+                          cross_rank=0, cross_size=1)
+
     def core_share(self):
-        from fusionring.runtime import Runtime
-        return Runtime.core_share(self)
+        return self._layout().core_share()
 
     def host_cores(self):
-        from fusionring.runtime import Runtime
-        return Runtime.host_cores(self)
+        return self._layout().host_cores()
 
 
 @pytest.mark.parametrize("local_cores, rank, share", [

@@ -8,6 +8,7 @@ import torch
 from fusionring import _C
 from fusionring.compression import Compression, NMCompressor
 from fusionring.compression import nm as nmlib
+from fusionring.compression import pipeline
 
 PAIRS = [(1, 4), (2, 4), (1, 2), (2, 8), (4, 8), (1, 8), (4, 4), (3, 5), (5, 16), (7, 32),
          (16, 32), (1, 1), (2, 3)]
@@ -427,7 +428,7 @@ def _run_pipeline(chunks, fail_at=None):
 
     error = None
     try:
-        nmlib._pipeline(chunks, stage("encode"), stage("reduce"), stage("decode"))
+        pipeline.run_pipeline(chunks, stage("encode"), stage("reduce"), stage("decode"))
     except RuntimeError as exc:
         error = str(exc)
     return events, error
@@ -454,6 +455,6 @@ def test_pipeline_hands_on_a_stage_error_after_the_helper_is_done(monkeypatch):
         def submit(self, *args):
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(nmlib, "_helper", Refusing())
+    monkeypatch.setattr(pipeline, "_helper", Refusing())
     events, error = _run_pipeline(3)
     assert error is None and len(events) == 9

@@ -26,315 +26,37 @@ so the sum over ranks of everything sent plus all residuals equals the sum of al
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .. import _C
-from ..dtypes import DTYPE_CODES, VALUE_CODES, contiguous_view, dtype_name
-from ..timeline import phase_recorder
+from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
+from ..timeline import phase_recorder
 from .base import Compressor, Memory, register_compressor
+# The kernels and schedules keep their names here too (``fusionring.compression.nm.gather``).
+from .nm_kernels import (MAX_M, _squares, bits_per_element, check_nm, check_values,
+                         compress_values, cuda_kernels, gather, mask_to_bool, scatter,
+                         select_mask)
+from .nm_schedules import ADAPTIVE_THRESHOLDS, AdaptiveSchedule, StepSchedule
+from .pipeline import run_pipeline, split_chunks
+
+__all__ = ["NMCompressor", "nm", "StepSchedule", "AdaptiveSchedule", "ADAPTIVE_THRESHOLDS",
+           "MAX_M", "PIPELINE_CHUNK_ELEMENTS", "VALUE_CODES", "bits_per_element", "check_nm",
+           "check_values", "compress_values", "cuda_kernels", "gather", "mask_to_bool",
+           "scatter", "select_mask"]
 
 
-def _squares(t: torch.Tensor) -> float:
-    """Sum of squares in double: one pass in the core for CPU tensors, no double copy."""
-    if t.device.type == "cpu" and t.is_contiguous() and t.dtype in DTYPE_CODES:
-        return _C.sum_squares(t.data_ptr(), t.numel(), DTYPE_CODES[t.dtype])
-    return float(t.double().square().sum())
-
-
-MAX_M = 32
 # The shared-mask reduction runs as a pipeline over chunks of about this many dense elements:
 # while the ring carries one chunk, a helper thread encodes the next and decodes the one
 # before, so that CPU work hides behind the transfer instead of adding to it. Chunks are
 # large enough (1 MiB of float16 values for 2:4) that per-message costs stay small.
 PIPELINE_CHUNK_ELEMENTS = 1 << 20
-
-
-# ---------------------------------------------------------------------- validation
-def check_nm(n: Any, m: Any) -> Tuple[int, int]:
-    """Return (n, m) as ints; ValueError naming the bad one unless 1 <= n <= m <= 32."""
-    for label, value in (("n", n), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"N:M {label} must be an int, not {value!r}")
-    n, m = int(n), int(m)
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"N:M m={m} must be in [1, {MAX_M}]")
-    if not 1 <= n <= m:
-        raise ValueError(f"N:M n={n} must be in [1, m={m}]")
-    return n, m
-
-
-def check_values(values: Any) -> torch.dtype:
-    """The value dtype, or ValueError naming it unless float32/float16/bfloat16."""
-    if isinstance(values, str):
-        values = getattr(torch, values, values)
-    if values not in VALUE_CODES:
-        raise ValueError(f"N:M values dtype {values!r} must be torch.float32, torch.float16 "
-                         f"or torch.bfloat16")
-    return values
-
-
-def bits_per_element(n: int, m: int, values: torch.dtype = torch.float32,
-                     shared_mask: bool = False) -> float:
-    """Wire bits per original element: N/M values, plus one mask bit unless the mask is shared.
-
-    Dense (n == m) sends the values only. 2:4 float32: 17 (16 shared); float16: 9 (8 shared).
-    """
-    n, m = check_nm(n, m)
-    value_bits = 8 * torch.empty(0, dtype=check_values(values)).element_size()
-    if n == m:
-        return float(value_bits)
-    return n / m * value_bits + (0.0 if shared_mask else 1.0)
-
-
-# ---------------------------------------------------------------------- kernels on tensors
-def _flat_f32(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype not in VALUE_CODES:
-        raise ValueError(f"N:M input dtype {tensor.dtype} must be float32, float16 or bfloat16")
-    return tensor.detach().reshape(-1).contiguous()
-
-
-def cuda_kernels(tensor: torch.Tensor, m: int) -> bool:
-    """Whether `tensor` can use the GPU kernels (built with CUDA, m dividing 32)."""
-    return tensor.is_cuda and bool(getattr(_C, "nm_cuda_built", False)) and 32 % m == 0
-
-
-def _stream(tensor: torch.Tensor) -> int:
-    return torch.cuda.current_stream(tensor.device).cuda_stream
-
-
-def _require_cuda(tensor: torch.Tensor, m: int) -> None:
-    if not cuda_kernels(tensor, m):
-        raise ValueError(f"N:M on a {tensor.device} tensor needs fusionring built with CUDA "
-                         f"and m dividing 32 (m={m}); move the tensor to the CPU")
-
-
-def compress_values(x: torch.Tensor, n: int, m: int, values: torch.dtype = torch.float32,
-                    residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Select n of every m of `x` -> (kept values in `values` dtype, int64 mask words).
-
-    `residual` (float32, numel of x) receives x - unpack(values) when given. CPU tensors use
-    the C++ kernels, CUDA tensors the GPU kernels (the same bits).
-    """
-    n, m = check_nm(n, m)
-    code = VALUE_CODES[check_values(values)]
-    flat = _flat_f32(x)
-    count = flat.numel()
-    kept = torch.empty(_C.nm_kept_count(count, n, m), dtype=values, device=flat.device)
-    mask = torch.empty(_C.nm_mask_words(count), dtype=torch.int64, device=flat.device)
-    if flat.is_cuda:
-        _require_cuda(flat, m)
-        flat = flat.float()
-        _C.nm_compress_cuda(flat.data_ptr(), count, n, m, kept.data_ptr(), code, mask.data_ptr(),
-                            _residual_ptr(residual, count), _stream(flat))
-        return kept, mask
-    _C.nm_compress(flat.data_ptr(), VALUE_CODES[flat.dtype], count, n, m, kept.data_ptr(), code,
-                   mask.data_ptr(), _residual_ptr(residual, count))
-    return kept, mask
-
-
-def select_mask(x: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """The N:M mask of `x` as int64 words (bit i = element i kept)."""
-    n, m = check_nm(n, m)
-    flat = _flat_f32(x)
-    mask = torch.empty(_C.nm_mask_words(flat.numel()), dtype=torch.int64, device=flat.device)
-    if flat.is_cuda:
-        _require_cuda(flat, m)
-        flat = flat.float()
-        _C.nm_compress_cuda(flat.data_ptr(), flat.numel(), n, m, 0, 0, mask.data_ptr(), 0,
-                            _stream(flat))
-        return mask
-    _C.nm_select_mask(flat.data_ptr(), VALUE_CODES[flat.dtype], flat.numel(), n, m,
-                      mask.data_ptr())
-    return mask
-
-
-def gather(x: torch.Tensor, mask: torch.Tensor, values: torch.dtype = torch.float32,
-           residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-           nm: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """Pack the elements of `x` whose mask bit is set (select with a given mask).
-
-    On CUDA tensors the mask must come from N:M selection and `nm` name its (n, m).
-    """
-    code = VALUE_CODES[check_values(values)]
-    flat = _flat_f32(x)
-    count = flat.numel()
-    _check_mask(mask, count)
-    if flat.is_cuda:
-        if nm is None:
-            raise ValueError("gather on a CUDA tensor needs nm=(n, m) of the mask")
-        n, m = check_nm(*nm)
-        _require_cuda(flat, m)
-        kept = _C.nm_kept_count(count, n, m)
-    else:
-        kept = _C.nm_mask_popcount(mask.data_ptr(), count)
-    if out is None:
-        out = torch.empty(kept, dtype=values, device=flat.device)
-    elif out.numel() != kept or out.dtype != values or not out.is_contiguous():
-        raise ValueError(f"gather output must be {kept} contiguous {values} values")
-    if flat.is_cuda:
-        _C.nm_gather_cuda(flat.float().data_ptr(), count, n, m, mask.data_ptr(), out.data_ptr(),
-                          code, _residual_ptr(residual, count), _stream(flat))
-        return out
-    _C.nm_gather(flat.data_ptr(), VALUE_CODES[flat.dtype], count, mask.data_ptr(),
-                 out.data_ptr(), code, _residual_ptr(residual, count))
-    return out
-
-
-def scatter(kept: torch.Tensor, mask: torch.Tensor, count: int,
-            out: Optional[torch.Tensor] = None, accumulate: bool = False,
-            nm: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """Put `kept` back at the masked positions of a float32 vector of `count` (zeros elsewhere,
-    or added into `out` with accumulate=True). On CUDA, `nm` names the mask's (n, m)."""
-    _check_mask(mask, count)
-    if kept.dtype not in VALUE_CODES or not kept.is_contiguous():
-        raise ValueError("N:M values must be a contiguous float32/float16/bfloat16 tensor")
-    if kept.is_cuda:
-        if nm is None:
-            raise ValueError("scatter on a CUDA tensor needs nm=(n, m) of the mask")
-        n, m = check_nm(*nm)
-        _require_cuda(kept, m)
-        expected = _C.nm_kept_count(count, n, m)
-    else:
-        expected = _C.nm_mask_popcount(mask.data_ptr(), count)
-    if kept.numel() != expected:
-        raise ValueError(f"the mask selects {expected} values but {kept.numel()} were given")
-    if out is None:
-        out = torch.zeros(count, device=kept.device) if accumulate else torch.empty(
-            count, device=kept.device)
-    if out.dtype != torch.float32 or out.numel() != count or not out.is_contiguous():
-        raise ValueError(f"N:M output must be a contiguous float32 tensor of {count} elements")
-    if kept.is_cuda:
-        _C.nm_scatter_cuda(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count, n, m,
-                           out.data_ptr(), accumulate, _stream(kept))
-    elif accumulate:
-        _C.nm_scatter_add(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count,
-                          out.data_ptr())
-    else:
-        _C.nm_scatter(kept.data_ptr(), VALUE_CODES[kept.dtype], mask.data_ptr(), count,
-                      out.data_ptr(), 0)
-    return out
-
-
-def mask_to_bool(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Unpack int64 mask words into a bool tensor of `count` elements (on the mask's device)."""
-    octets = mask.reshape(-1).view(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=octets.device)
-    return ((octets.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:count].bool()
-
-
-def _check_mask(mask: torch.Tensor, count: int) -> None:
-    words = _C.nm_mask_words(count)
-    if mask.dtype != torch.int64 or mask.numel() != words or not mask.is_contiguous():
-        raise ValueError(f"an N:M mask of {count} elements is {words} contiguous int64 words")
-
-
-def _residual_ptr(residual: Optional[torch.Tensor], count: int) -> int:
-    if residual is None:
-        return 0
-    if residual.dtype != torch.float32 or residual.numel() != count or not residual.is_contiguous():
-        raise ValueError(f"the residual must be a contiguous float32 tensor of {count} elements")
-    return residual.data_ptr()
-
-
-# ---------------------------------------------------------------------- schedules
-class StepSchedule:
-    """(n, m) by training step: ``[(0, (4, 4)), (100, (2, 4)), (1000, (1, 4))]``.
-
-    At step k the last stage whose start is <= k applies; before the first stage, `initial`.
-    """
-
-    def __init__(self, stages: Sequence[Tuple[int, Tuple[int, int]]],
-                 initial: Tuple[int, int]) -> None:
-        parsed = []
-        for stage in stages:
-            try:
-                start, (n, m) = stage
-            except (TypeError, ValueError):
-                raise ValueError(f"schedule stage {stage!r} must be (step, (n, m))") from None
-            if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
-                raise ValueError(f"schedule step {start!r} must be a non-negative int")
-            parsed.append((int(start), check_nm(n, m)))
-        if not parsed:
-            raise ValueError("a schedule needs at least one (step, (n, m)) stage")
-        starts = [s for s, _ in parsed]
-        if starts != sorted(set(starts)):
-            raise ValueError(f"schedule steps must increase strictly, got {starts}")
-        self.stages = parsed
-        self.initial = check_nm(*initial)
-
-    def at(self, step: int) -> Tuple[int, int]:
-        level = self.initial
-        for start, nm in self.stages:
-            if start <= step:
-                level = nm
-        return level
-
-    def describe(self) -> list:
-        return [[s, list(nm)] for s, nm in self.stages]
-
-
-# Default (low, high) ratio thresholds of schedule="adaptive". Measured on the digits MLP with
-# error feedback, the held-back ratio sits near 0.1 at 2:4 and 0.3 at 1:4 with per-rank masks,
-# and near 0.75-0.9 with a shared mask (which delays a position's values until its turn).
-ADAPTIVE_THRESHOLDS = {"per-rank": dict(low=0.15, high=0.45),
-                       "shared": dict(low=0.7, high=0.95)}
-
-
-class AdaptiveSchedule:
-    """Moves each tensor between sparsity levels by the size of what error feedback holds back.
-
-    After every reduction of a tensor, ratio = sum over ranks |residual|^2 / sum over ranks
-    |compensated gradient|^2 (one small allreduce, so every rank sees the same number) is
-    smoothed: ema = smoothing * ema + (1 - smoothing) * ratio, restarted at each level change.
-    Once `patience` reductions have passed at a level: ema > `high` moves one level denser,
-    ema < `low` one level sparser. Levels run from dense (m:m) to the sparsest (n:m), halving
-    n: n=1, m=4 gives 4:4 -> 2:4 -> 1:4. Every tensor starts dense. ``schedule="adaptive"``
-    takes `low` and `high` from ADAPTIVE_THRESHOLDS for its mask mode.
-    """
-
-    def __init__(self, levels: Sequence[Tuple[int, int]], low: float = 0.3, high: float = 0.6,
-                 smoothing: float = 0.8, patience: int = 20) -> None:
-        self.levels = [check_nm(n, m) for n, m in levels]
-        if not self.levels:
-            raise ValueError("an adaptive schedule needs at least one (n, m) level")
-        if not 0.0 <= low < high:
-            raise ValueError(f"adaptive thresholds need 0 <= low < high, got {low}, {high}")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"adaptive smoothing must be in [0, 1), got {smoothing}")
-        self.low, self.high, self.smoothing, self.patience = (float(low), float(high),
-                                                              float(smoothing), int(patience))
-
-    @classmethod
-    def halving(cls, n: int, m: int, **kwargs) -> "AdaptiveSchedule":
-        levels, k = [], m
-        while k > n:
-            levels.append((k, m))
-            k //= 2
-        levels.append((n, m))
-        return cls(levels, **kwargs)
-
-    def observe(self, state: "_TensorState", ratio: float) -> None:
-        state.ema = ratio if state.ema is None else (self.smoothing * state.ema
-                                                     + (1.0 - self.smoothing) * ratio)
-        state.since += 1
-        if state.since < self.patience:
-            return
-        if state.ema > self.high and state.level > 0:
-            state.level, state.ema, state.since = state.level - 1, None, 0
-        elif state.ema < self.low and state.level < len(self.levels) - 1:
-            state.level, state.ema, state.since = state.level + 1, None, 0
-
-    def describe(self) -> dict:
-        return {"levels": [list(nm) for nm in self.levels], "low": self.low, "high": self.high,
-                "smoothing": self.smoothing, "patience": self.patience}
 
 
 # ---------------------------------------------------------------------- the compressor
@@ -373,72 +95,6 @@ class _Segment:
     residual: Optional[torch.Tensor]     # receives this step's (may be `stored`)
     held: float = 0.0                    # adaptive schedule: squared residual
     total: float = 0.0                   # adaptive schedule: squared compensated input
-
-
-_helper_lock = threading.Lock()
-_helper: Optional[concurrent.futures.ThreadPoolExecutor] = None
-
-
-def _pipeline(chunks: int, encode: Callable[[int], None], reduce: Callable[[int], None],
-              decode: Callable[[int], None]) -> None:
-    """encode(k), reduce(k), decode(k) for every chunk, reduce on this thread in chunk order,
-    encode and decode on a helper thread so they overlap the reductions of other chunks."""
-    global _helper
-    if chunks == 1:
-        encode(0)
-        reduce(0)
-        decode(0)
-        return
-    with _helper_lock:
-        if _helper is None:
-            _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusionring-nm")
-        helper = _helper
-
-    def submit(stage: Callable[[int], None], k: int) -> concurrent.futures.Future:
-        try:
-            return helper.submit(stage, k)
-        except RuntimeError:  # the interpreter is shutting down: run it here instead
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                stage(k)
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - handed on through the future
-                done.set_exception(exc)
-            return done
-
-    encoded = [submit(encode, 0), submit(encode, 1)]
-    decoded: List[concurrent.futures.Future] = []
-    try:
-        for k in range(chunks):
-            encoded[k].result()
-            reduce(k)
-            decoded.append(submit(decode, k))
-            if k + 2 < chunks:
-                encoded.append(submit(encode, k + 2))
-        for future in decoded:
-            future.result()
-    finally:  # never return while the helper may still touch the buffers
-        concurrent.futures.wait(encoded + decoded)
-
-
-def _chunks(pieces: list, count: int) -> List[list]:
-    """Consecutive pieces grouped into pipeline chunks. The first and last chunks are a quarter
-    of the others: the first encode and the last decode are the only ones nothing hides."""
-    full = PIPELINE_CHUNK_ELEMENTS
-    if count <= full:
-        return [pieces]
-    middle = count - full // 2
-    parts = max(1, -(-middle // full))
-    ends = [full // 4] + [full // 4 + middle * (i + 1) // parts for i in range(parts)] + [count]
-    chunks: List[list] = [[]]
-    done = 0
-    for piece in pieces:  # a piece goes to the chunk its middle falls in
-        middle_at = done + (piece[2] - piece[1]) / 2
-        if chunks[-1] and middle_at >= ends[len(chunks) - 1]:
-            chunks.append([])
-        chunks[-1].append(piece)
-        done += piece[2] - piece[1]
-    return chunks
 
 
 class NMCompressor(Compressor):
@@ -679,7 +335,7 @@ class NMCompressor(Compressor):
                 pieces.append((seg, lo, hi, total, kept))
                 total += kept
         payload = torch.empty(total, dtype=self.values)
-        chunks = _chunks(pieces, sum(x.numel() for x in views))
+        chunks = split_chunks(pieces, sum(x.numel() for x in views), PIPELINE_CHUNK_ELEMENTS)
         record = phase_recorder()  # the timeline's, fetched here: the helper thread has none
 
         def encode(k: int) -> None:
@@ -735,7 +391,7 @@ class NMCompressor(Compressor):
             if record is not None:
                 record("decompress", started, time.perf_counter())
 
-        _pipeline(len(chunks), encode, reduce, decode)
+        run_pipeline(len(chunks), encode, reduce, decode)
         for seg in segments:
             if seg.residual is not None:
                 self.memory.update(seg.key, seg.residual)

@@ -1,37 +1,32 @@
-"""The runtime: the background control loop, requests and handles (init/shutdown: state.py).
-
-The caller's thread only enqueues requests and waits on handles. One background thread
-per process runs the cycle: negotiate what is ready on every rank, let the scheduler
-decide what to fuse, and drive the C++ core (GIL released) or MPI to move the bytes.
-Every rank runs the same decisions in the same order, so no collective can interleave.
-"""
+"""The runtime's control loop: requests in, one negotiation round per cycle, fused batches
+and collectives out, handles completed. One Runtime per process (and per process set)."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import itertools
 import json
-import math
-import os
 import sys
 import threading
 import time
-import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import _C
-from .config import Settings, settings
-from .dtypes import DTYPE_CODES, byte_view, contiguous_view, real_view
-from .exceptions import FusionRingError, StallError, TensorMismatchError
-from .negotiation import Negotiator, Ready, TensorSpec, is_cacheable
-from .ops import ADASUM_CODE, ReduceOp, core_reduction
-from .reduction import ReductionContext
-from .scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
-from .timeline import LaneView, Timeline, recording_phases
+from .. import _C
+from ..config import Settings, settings
+from ..dtypes import real_view
+from ..exceptions import FusionRingError, StallError, TensorMismatchError
+from ..negotiation import Negotiator, Ready, TensorSpec
+from ..ops import ADASUM_CODE, ReduceOp, core_reduction
+from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
+from ..timeline import LaneView, Timeline
+from .allreduce import (AllreduceOps, CompressedAllreduce, RingAllreduce, SharedMemoryAllreduce,
+                        lane)
+from .collectives import MpiCollectives
+from .requests import Request, Stats
+from .topology import HostLayout, wait_mode, wants_shared_memory, warn_unless_thread_multiple
 
 _SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
@@ -47,53 +42,6 @@ _EAGER_ROUNDS_S = 0.05
 _SHM_CLOSE_WAIT_S = 60.0
 _windows_to_close: List["_C.SharedMemoryAllreduce"] = []
 
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One submitted operation; `output` receives the result in place."""
-
-    name: str
-    spec: TensorSpec
-    tensor: torch.Tensor                 # contiguous CPU input
-    output: Optional[torch.Tensor]       # contiguous CPU result buffer (may be `tensor`)
-    core_op: int = 0
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root: int = -1
-    handle: int = -1
-    submitted_at: float = 0.0
-    ready_info: Optional[Ready] = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    error: Optional[BaseException] = None
-    payload: Any = None                  # kind-specific data (e.g. fusion groups)
-    # A compressor that reduces inside the runtime: called on the background thread as
-    # communicator(ReductionContext) in place of the plain ring allreduce; it reads and
-    # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.
-    communicator: Optional[Callable[[ReductionContext], Optional[int]]] = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-
-@dataclasses.dataclass
-class Stats:
-    """Counters for benchmarks and the training example."""
-
-    cycles: int = 0
-    full_exchanges: int = 0
-    allreduce_batches: int = 0
-    allreduce_tensors: int = 0
-    allreduce_bytes: int = 0
-    bytes_sent: int = 0
-    # Bytes copied into the threshold-fusion buffer (and back out): gradients laid out back
-    # to back in their batch's order are reduced where they lie and add nothing here.
-    packed_bytes: int = 0
-    batch_bytes: List[int] = dataclasses.field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 class Runtime:
     """One per process: owns the communicators, the queue and the background thread."""
 
@@ -103,7 +51,7 @@ class Runtime:
         from mpi4py import MPI
 
         self._MPI = MPI
-        _warn_unless_thread_multiple(MPI)
+        warn_unless_thread_multiple(MPI)
         self.config = config or settings()
         base = comm if comm is not None else MPI.COMM_WORLD
         self.base_comm = base
@@ -112,23 +60,21 @@ class Runtime:
         # Separate communicators: user code may use COMM_WORLD freely alongside us.
         self._control_comm = base.Dup()
         self._data_comm = base.Dup()
-        self.rank = base.Get_rank()
-        self.size = base.Get_size()
-        local = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        self.layout = HostLayout.gather(base, MPI)
+        self.rank, self.size = self.layout.rank, self.layout.size
+        self.local_rank, self.local_size = self.layout.local_rank, self.layout.local_size
         # The cores each rank of this host may run on (its affinity), in local-rank order.
-        self.local_cores: List[List[int]] = local.allgather(sorted(_usable_cores()))
-        cross = base.Split(color=self.local_rank, key=self.rank)
-        self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
-        local.Free()
-        cross.Free()
+        self.local_cores: List[List[int]] = self.layout.local_cores
+        self.cross_rank, self.cross_size = self.layout.cross_rank, self.layout.cross_size
         self._core = _C.Communicator(MPI._handleof(self._data_comm))
         control_core = _C.Communicator(MPI._handleof(self._control_comm))
-        self.mpi_wait = self._wait_mode()
+        self.mpi_wait = wait_mode(self.config, self.layout)
         if self.mpi_wait == "sleep":
             for core in (self._core, control_core):
                 core.set_wait_policy(_SPIN_BEFORE_SLEEP_US, self.config.mpi_wait_sleep_us)
-        self._shm = self._shared_memory()
+        self._shm = (_C.SharedMemoryAllreduce(MPI._handleof(self._data_comm),
+                                              self.config.shm_slot_bytes)
+                     if wants_shared_memory(self.config, self.layout) else None)
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
                                       self.config.stall_shutdown_s, control_core,
                                       cache_capacity=self.config.cache_capacity)
@@ -159,46 +105,15 @@ class Runtime:
         self._quiet_cycles = 0
         self._eager_since: Optional[float] = None  # back-to-back rounds for a waiting caller
         self._join_request: Optional[Request] = None  # set while this rank is inside join()
-        self._fusion_buffers: Dict[torch.dtype, torch.Tensor] = {}
+        # A fused allreduce batch goes to the first of these ops that takes it.
+        self._shm_op = SharedMemoryAllreduce(self)
+        self._allreduce_ops = AllreduceOps([CompressedAllreduce(self), self._shm_op,
+                                            RingAllreduce(self)])
         # Collectives other than allreduce, one request at a time, in response order.
-        self._collectives: Dict[str, Callable[[List[Request]], None]] = {
-            "allgather": self._allgather, "broadcast": self._broadcast, "barrier": self._barrier,
-            "alltoall": self._alltoall, "reducescatter": self._reducescatter,
-        }
+        self._mpi = MpiCollectives(self)
+        self._collectives: Dict[str, Callable[[List[Request]], None]] = self._mpi.by_kind()
         self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
         self._thread.start()
-
-    def _wait_mode(self) -> str:
-        """ "sleep" or "spin" for this run (every rank decides alike from shared facts).
-
-        Measured on the emulated 1 Gbit cluster (4 ranks, 2 cores): sleeping waits took dense
-        steps from ~700 to ~620 ms and 2:4 steps from ~430 to ~330 ms; on shared memory they
-        made steps slower (wake-ups cost more than the spinning they save).
-        """
-        mode = self.config.mpi_wait
-        if mode == "auto":
-            mode = "sleep" if self.local_size < self.size else "spin"
-        return mode
-
-    def _shared_memory(self) -> Optional["_C.SharedMemoryAllreduce"]:
-        """The shared-memory allreduce, when configured and every rank shares this host.
-
-        "auto" also wants a core per rank: its waits sleep instead of spinning, and with
-        ranks (plus their loop threads) crowding too few cores, the wake-ups cost more
-        than the copies saved (measured: 4 ranks on 2 cores trained slower, 2 ranks on 2
-        cores faster). Every rank decides from the same gathered facts, so all agree.
-        """
-        mode = self.config.shared_memory
-        if mode == "off" or self.size == 1:
-            return None
-        one_host = self.local_size == self.size
-        enough_cores = self.host_cores() >= self.size
-        if mode == "on" and not one_host:
-            raise FusionRingError("FUSIONRING_SHARED_MEMORY=on needs every rank on one host")
-        if not one_host or (mode == "auto" and not enough_cores):
-            return None
-        return _C.SharedMemoryAllreduce(self._MPI._handleof(self._data_comm),
-                                        self.config.shm_slot_bytes)
 
     def packs_fused_batches(self) -> bool:
         """Whether threshold fusion copies a batch into a fusion buffer and back, unless its
@@ -207,13 +122,12 @@ class Runtime:
 
     def host_cores(self) -> int:
         """How many distinct cores the ranks of this host may run on, together."""
-        return len(set().union(*map(set, self.local_cores)))
+        return self.layout.host_cores()
 
     def core_share(self) -> float:
         """How many cores this rank has to itself: each core it may run on counts 1/k when k
         ranks of this host may run there (ranks bound to their own cores: all of them)."""
-        mine = self.local_cores[self.local_rank]
-        return sum(1.0 / sum(core in cores for cores in self.local_cores) for core in mine)
+        return self.layout.core_share()
 
     @property
     def shared_memory(self) -> bool:
@@ -546,13 +460,13 @@ class Runtime:
                       for r in ready if r.spec.kind == "allreduce" and r.core_op != ADASUM_CODE]
         if reductions or flush:
             for batch in self._scheduler.schedule(reductions, flush=flush):
-                run = functools.partial(self._allreduce_batch, kind=batch.kind)
+                run = functools.partial(self._allreduce_ops.execute, kind=batch.kind)
                 for part in self._transfers(batch):
                     self._guarded(part, run)
         for request in ready:
             run = self._collectives.get(request.spec.kind)
             if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
-                run = self._adasum  # per tensor: its coefficients come from its own norms
+                run = self._mpi.adasum  # per tensor: its coefficients come from its own norms
             if run is not None:
                 self._guarded([request], run)
 
@@ -587,7 +501,7 @@ class Runtime:
         kind = requests[0].spec.kind
         if timeline is not None and kind != "fusion_groups":
             # The whole processing, around the phases the collective recorded itself.
-            timeline.span(_lane(requests), "operation", started, time.perf_counter(),
+            timeline.span(lane(requests), "operation", started, time.perf_counter(),
                           {"tensors": len(requests)}, kind=kind)
         for request in requests:
             self._complete(request)
@@ -596,7 +510,7 @@ class Runtime:
         # Whatever the old plan still holds is reduced first, identically on every rank.
         for batch in self._scheduler.schedule([], flush=True):
             self._guarded([e.payload for e in batch.entries],
-                          functools.partial(self._allreduce_batch, kind=batch.kind))
+                          functools.partial(self._allreduce_ops.execute, kind=batch.kind))
         label, groups = requests[0].payload
         group_sets = {k: v for k, v in self._group_sets.items() if k != label}
         if groups:
@@ -610,206 +524,9 @@ class Runtime:
     def scheduler(self) -> FusionScheduler:
         return self._scheduler
 
-    def _fusion_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buffer = self._fusion_buffers.get(dtype)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 1024), dtype=dtype)
-            self._fusion_buffers[dtype] = buffer
-        return buffer[:numel]
-
     def _through_shared_memory(self, requests: List[Request], kind: str) -> bool:
-        """Whether this batch goes through the shared-memory window rather than the ring.
-
-        Decided from sizes, counts and the batch's kind, never addresses, so every rank
-        picks the same collective.
-        """
-        if (self._shm is None or requests[0].communicator is not None
-                or sum(r.nbytes for r in requests) <= self.config.small_message_bytes):
-            return False
-        # With two ranks the ring moves fewer bytes than the window's copy in and out
-        # (measured on one buffer: 1 MiB in 0.23 against 0.44 ms, 16 MiB in 3.5 against
-        # 4.0 ms), so "auto" uses the window there only where it replaces the fusion
-        # buffer's pack and unpack: a threshold batch of several tensors (a plan group lies
-        # in one buffer already). "on" sends every batch through the window.
-        if (self.size == 2 and self.config.shared_memory == "auto"
-                and (len(requests) == 1 or kind != THRESHOLD)):
-            return False
-        return True
-
-    def _allreduce_batch(self, requests: List[Request], kind: str) -> None:
-        first = requests[0]
-        code = DTYPE_CODES[first.output.dtype]
-        lane = _lane(requests)
-        t0 = time.perf_counter()
-        total = sum(r.nbytes for r in requests)
-        if self._through_shared_memory(requests, kind):
-            # Reduced where they lie: the window's copy in and out replaces pack and unpack.
-            self._shm.allreduce([r.output.data_ptr() for r in requests],
-                                [r.nbytes for r in requests], code, first.core_op,
-                                first.prescale, first.postscale,
-                                self.config.stall_shutdown_s or 0.0)
-            self._count_batch(requests, total, None)
-            timeline = self._timeline
-            if timeline is not None:
-                timeline.span(lane, "reduce", t0, time.perf_counter(),
-                                    {"tensors": len(requests), "bytes": total,
-                                     "transport": "shared memory"})
-            return
-        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
-        if len(requests) == 1:
-            buffer = first.output
-        elif contiguous is not None:  # already laid out as one buffer (a plan's group)
-            buffer = contiguous
-        elif first.communicator is not None:
-            buffer = None  # the compressor reads and writes the outputs where they lie
-        else:
-            buffer = self._fusion_buffer(first.output.dtype,
-                                         sum(r.output.numel() for r in requests))
-            _C.pack([r.output.data_ptr() for r in requests], [r.nbytes for r in requests],
-                    buffer.data_ptr())
-            self.stats.packed_bytes += total
-        t1 = time.perf_counter()
-        wire_bytes = None  # a compressor that reduces itself may report what it sent
-        if first.communicator is not None:
-            # Its encode and decode overlap the ring, so they get a lane of their own.
-            with recording_phases(self._timeline, f"{lane} (compression)",
-                                  {"tensors": len(requests), "bytes": total}):
-                wire_bytes = first.communicator(self._reduction_context(requests, buffer))
-        else:
-            self._core.allreduce(buffer.data_ptr(), buffer.numel(), code, first.core_op,
-                                 first.prescale, first.postscale, self.config.ring_segment_bytes,
-                                 self.config.small_message_bytes)
-        t2 = time.perf_counter()
-        copies = len(requests) > 1 and contiguous is None and buffer is not None
-        if copies:
-            _C.unpack(buffer.data_ptr(), [r.output.data_ptr() for r in requests],
-                      [r.nbytes for r in requests])
-        t3 = time.perf_counter()
-        self._count_batch(requests, total, wire_bytes)
-        timeline = self._timeline
-        if timeline is not None:
-            args = {"tensors": len(requests), "bytes": total}
-            if copies:
-                timeline.span(lane, "pack", t0, t1, args)
-            timeline.span(lane, "reduce", t1, t2, args)
-            if copies:
-                timeline.span(lane, "unpack", t2, t3, args)
-
-    def _reduction_context(self, requests: List[Request],
-                           buffer: Optional[torch.Tensor]) -> ReductionContext:
-        """What an in-runtime compressor needs for this batch, and nothing of the runtime."""
-        first = requests[0]
-        if buffer is None:
-            outputs = [r.output.reshape(-1) for r in requests]
-        else:
-            outputs = list(torch.split(buffer.reshape(-1), [r.output.numel() for r in requests]))
-        names = [r.name for r in requests]
-        return ReductionContext(
-            core=self._core, outputs=outputs, names=names,
-            keys=[name if is_cacheable(name) else None for name in names], buffer=buffer,
-            core_op=first.core_op, prescale=first.prescale, postscale=first.postscale,
-            ring_segment_bytes=self.config.ring_segment_bytes,
-            small_message_bytes=self.config.small_message_bytes, size=self.size)
-
-    def _count_batch(self, requests: List[Request], nbytes: int, wire_bytes) -> None:
-        self.stats.allreduce_batches += 1
-        self.stats.allreduce_tensors += len(requests)
-        self.stats.allreduce_bytes += nbytes
-        self.stats.bytes_sent += (wire_bytes if isinstance(wire_bytes, int)
-                                  else nbytes * 2 * (self.size - 1) // max(self.size, 1))
-        self.stats.batch_bytes.append(nbytes)
-        if len(self.stats.batch_bytes) > 100000:
-            del self.stats.batch_bytes[:50000]
-
-    def _allgather(self, requests: List[Request]) -> None:
-        request = requests[0]
-        MPI = self._MPI
-        dims = request.ready_info.first_dims
-        rest = tuple(request.tensor.shape[1:])
-        row_bytes = request.tensor.element_size() * math.prod(rest)
-        output = torch.empty((sum(dims),) + rest, dtype=request.tensor.dtype)
-        counts = [d * row_bytes for d in dims]
-        self._data_comm.Allgatherv([byte_view(request.tensor), MPI.BYTE],
-                                   [byte_view(output), counts, _displacements(counts), MPI.BYTE])
-        request.output = output
-        self.stats.bytes_sent += sum(counts)
-
-    def _alltoall(self, requests: List[Request]) -> None:
-        """Send rows of dim 0 to each rank as this rank's splits say; receive the peers'.
-
-        Ranks first swap their split counts, so each learns how many rows every peer sends
-        it; `payload["received_splits"]` keeps them for the caller.
-        """
-        request = requests[0]
-        MPI = self._MPI
-        tensor = request.tensor
-        sent_rows = [int(n) for n in request.payload["splits"]]
-        received_rows = [int(n) for n in self._data_comm.alltoall(sent_rows)]
-        rest = tuple(tensor.shape[1:])
-        row_bytes = tensor.element_size() * math.prod(rest)
-        output = torch.empty((sum(received_rows),) + rest, dtype=tensor.dtype)
-        send_counts = [n * row_bytes for n in sent_rows]
-        recv_counts = [n * row_bytes for n in received_rows]
-        self._data_comm.Alltoallv(
-            [byte_view(tensor), send_counts, _displacements(send_counts), MPI.BYTE],
-            [byte_view(output), recv_counts, _displacements(recv_counts), MPI.BYTE])
-        request.output = output
-        request.payload["received_splits"] = received_rows
-        self.stats.bytes_sent += sum(send_counts) - send_counts[self.rank]
-
-    def _reducescatter(self, requests: List[Request]) -> None:
-        """Reduce over all ranks; this rank keeps its block of dim 0.
-
-        Blocks follow Horovod: dim 0 // size rows each, and the first dim 0 % size ranks
-        one row more. MPI has no float16/bfloat16 type, so those are widened to float32
-        here, reduced and scaled there, and rounded back once at the end.
-        """
-        request = requests[0]
-        MPI = self._MPI
-        tensor = request.tensor
-        base, extra = divmod(tensor.shape[0], self.size)
-        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
-        rest = tuple(tensor.shape[1:])
-        row_numel = math.prod(rest)
-        output = torch.empty((rows[self.rank],) + rest, dtype=tensor.dtype)
-        wide = tensor.dtype in (torch.float16, torch.bfloat16)
-        send = tensor.float() if wide else tensor
-        received = torch.empty(output.shape, dtype=torch.float32) if wide else output
-        code = DTYPE_CODES[send.dtype]
-        if request.prescale != 1.0:
-            if send is tensor:  # `tensor` may be the caller's memory: scale a copy
-                send = tensor.clone()
-            _C.scale(send.data_ptr(), send.numel(), code, request.prescale)
-        # request.core_op holds the core's op code (fusionring.ops.core_reduction).
-        mpi_op = {0: MPI.SUM, 1: MPI.MIN, 2: MPI.MAX, 3: MPI.PROD}[request.core_op]
-        self._data_comm.Reduce_scatter(send.reshape(-1).numpy(), received.reshape(-1).numpy(),
-                                       [n * row_numel for n in rows], op=mpi_op)
-        _C.scale(received.data_ptr(), received.numel(), code, request.postscale)
-        if wide:
-            output.copy_(received)
-        request.output = output
-        self.stats.bytes_sent += request.nbytes * (self.size - 1) // max(self.size, 1)
-
-    def _adasum(self, requests: List[Request]) -> None:
-        """Adasum (Maleki et al.) in the core: the tree combination of every rank's vector,
-        pairs at distance 1, 2, 4, ... combined as (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b,
-        moved by vector halving and distance doubling (csrc/adasum.cc)."""
-        request = requests[0]
-        out = request.output
-        self._core.adasum(out.data_ptr(), out.numel(), DTYPE_CODES[out.dtype],
-                          request.prescale, request.postscale)
-        # Halving, then gathering back: about 2 (P-1)/P of the vector leaves each rank.
-        self.stats.bytes_sent += request.nbytes * 2 * (self.size - 1) // max(self.size, 1)
-        self.stats.allreduce_tensors += 1
-
-    def _broadcast(self, requests: List[Request]) -> None:
-        request = requests[0]
-        if request.output.numel():
-            self._data_comm.Bcast([byte_view(request.output), self._MPI.BYTE], root=request.root)
-        self.stats.bytes_sent += request.nbytes
-
-    def _barrier(self, requests: List[Request]) -> None:
-        self._data_comm.Barrier()
+        """Whether this batch goes through the shared-memory window rather than the ring."""
+        return self._shm_op.enabled(requests, kind)
 
 
 def _merge_group_sets(group_sets: Dict[str, List[List[str]]]) -> Optional[List[List[str]]]:
@@ -822,44 +539,6 @@ def _merge_group_sets(group_sets: Dict[str, List[List[str]]]) -> Optional[List[L
             claimed.update(group)
         merged[:0] = [group for group in kept if group]
     return merged or None
-
-
-def _displacements(counts: List[int]) -> List[int]:
-    """Where each rank's part starts in a buffer of parts laid end to end."""
-    return list(itertools.accumulate([0] + counts[:-1]))
-
-
-_THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
-                  "MPI_THREAD_MULTIPLE")
-
-
-def _warn_unless_thread_multiple(MPI) -> None:
-    """fusionring calls MPI from its background thread while the caller's thread may call it
-    too (process sets, the user's own mpi4py calls): anything below MPI_THREAD_MULTIPLE can
-    corrupt MPI's state, so say so once, with the fix."""
-    provided = MPI.Query_thread()
-    if provided >= MPI.THREAD_MULTIPLE:
-        return
-    level = (_THREAD_LEVELS[provided] if 0 <= provided < len(_THREAD_LEVELS)
-             else f"thread level {provided}")
-    warnings.warn(f"MPI was initialized with {level}, not MPI_THREAD_MULTIPLE; fusionring's "
-                  f"background thread calls MPI while other threads may, which can crash or hang. "
-                  f"Let mpi4py initialize MPI (its default is MPI_THREAD_MULTIPLE), or set "
-                  f"mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI.",
-                  RuntimeWarning, stacklevel=3)
-
-
-def _usable_cores() -> List[int]:
-    try:
-        return list(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
-def _lane(requests: List[Request]) -> str:
-    """The timeline row of a collective: its tensor's name, or its batch's."""
-    first = requests[0]
-    return first.name if len(requests) == 1 else f"group of {len(requests)} from {first.name}"
 
 
 def close_shared_memory() -> None:

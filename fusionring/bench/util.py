@@ -1,4 +1,4 @@
-"""Shared building blocks for the benchmark scripts in this folder.
+"""Shared building blocks for benchmarks: ``fusionring bench`` and the scripts in ``scripts/``.
 
 Everything a benchmark needs besides the thing it measures:
 
@@ -8,11 +8,10 @@ Everything a benchmark needs besides the thing it measures:
   noisy machine hits all of them alike; :func:`summarize` turns samples into median and quartiles.
 * conditions: :func:`load_average`, :func:`wait_for_quiet_machine` and :func:`machine_summary`,
   so every document says how busy the machine was.
-* writing: :func:`markdown_table`, :func:`line_plot`, :func:`bar_plot` and :class:`BenchDoc`
-  (a markdown page with tables, a plot and the exact command that made it).
+* writing: :func:`markdown_table`, :func:`line_plot`, :func:`bar_plot`, :func:`preserved_section`
+  and :class:`BenchDoc` (a markdown page with tables, a plot and the exact command that made it).
 
-Import it from a script in ``scripts/`` with ``from _benchutil import ...`` (the script's own
-folder is on ``sys.path`` when it runs).
+Scripts import it as ``from fusionring.bench.util import ...``.
 """
 from __future__ import annotations
 
@@ -28,12 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-KIB = 1024
-MIB = 1024 * 1024
+from ..units import KIB, MIB, format_bytes  # noqa: F401 - part of this toolkit
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS_DIR = os.path.join(REPO_ROOT, "docs", "benchmarks")
 
 # Name of the environment variable through which a launched worker learns where to write
@@ -43,14 +42,6 @@ RESULT_PATH_ENV = "BENCH_RESULT_PATH"
 
 # --------------------------------------------------------------------------------------------
 # Formatting
-
-
-def format_bytes(nbytes: float) -> str:
-    """4096 -> '4 KiB', 1.25 MiB -> '1.25 MiB' (binary units, 3 significant digits)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def format_seconds(seconds: float) -> str:
@@ -405,11 +396,11 @@ def finish_run(run: "Run", args, targets: Callable[[list], List[str]],
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
                    align: Optional[str] = None) -> str:
-    """A GitHub markdown table. ``align`` has one letter per column: l, r or c (default:
-    first column left, the rest right)."""
+    """A GitHub markdown table. ``align`` has one letter per column: l, r, c, or - for none
+    (default: first column left, the rest right)."""
     headers = [str(h) for h in headers]
     align = align or ("l" + "r" * (len(headers) - 1))
-    marks = {"l": ":---", "r": "---:", "c": ":---:"}
+    marks = {"l": ":---", "r": "---:", "c": ":---:", "-": " --- "}
     lines = ["| " + " | ".join(headers) + " |",
              "|" + "|".join(marks[a] for a in align) + "|"]
     for row in rows:
@@ -519,15 +510,20 @@ def bar_plot(path: str, panels: Sequence[Mapping[str, Any]], *, ncols: Optional[
     _save_figure(plt, fig, axes, len(panels), suptitle, path)
 
 
-def preserved_section(path: str, heading: str) -> Optional[str]:
-    """The body of ``## heading`` in an existing markdown file (up to the next ``## ``), or None.
-
-    Lets a benchmark regenerate its tables while keeping hand-written analysis."""
+def preserved_section(path: str, heading: Optional[str] = None, *,
+                      markers: Optional[Tuple[str, str]] = None) -> Optional[str]:
+    """Hand-written text of an existing markdown file, or None, so that a benchmark can render
+    its page again and keep the analysis: the body of ``## heading`` (up to the next
+    ``## ``), or with ``markers=(start, end)`` the block between them, markers included."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError:
         return None
+    if markers is not None:
+        start, end = text.find(markers[0]), text.find(markers[1])
+        return text[start:end + len(markers[1])] if 0 <= start < end else None
+    lines = text.splitlines()
     body, inside = [], False
     for line in lines:
         if line.startswith("## "):
@@ -602,3 +598,11 @@ class BenchDoc:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.text())
+
+
+DEFAULT_DOC_DIR = Path(DOCS_DIR)
+
+
+def ring_bytes(payload_bytes: float, size: int) -> float:
+    """Bytes each rank sends in a ring allreduce of ``payload_bytes``: 2(N-1)/N of it."""
+    return payload_bytes * 2 * (size - 1) / size if size > 1 else 0.0

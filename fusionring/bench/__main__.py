@@ -1,0 +1,6 @@
+"""``python -m fusionring.bench``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""A submitted operation (Request) and the runtime's counters (Stats)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from ..negotiation import Ready, TensorSpec
+from ..reduction import ReductionContext
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One submitted operation; `output` receives the result in place."""
+
+    name: str
+    spec: TensorSpec
+    tensor: torch.Tensor                 # contiguous CPU input
+    output: Optional[torch.Tensor]       # contiguous CPU result buffer (may be `tensor`)
+    core_op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    handle: int = -1
+    submitted_at: float = 0.0
+    ready_info: Optional[Ready] = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    payload: Any = None                  # kind-specific data (e.g. fusion groups)
+    # A compressor that reduces inside the runtime: called on the background thread as
+    # communicator(ReductionContext) in place of the plain ring allreduce; it reads and
+    # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.
+    communicator: Optional[Callable[[ReductionContext], Optional[int]]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters for benchmarks and the training example."""
+
+    cycles: int = 0
+    full_exchanges: int = 0
+    allreduce_batches: int = 0
+    allreduce_tensors: int = 0
+    allreduce_bytes: int = 0
+    bytes_sent: int = 0
+    # Bytes copied into the threshold-fusion buffer (and back out): gradients laid out back
+    # to back in their batch's order are reduced where they lie and add nothing here.
+    packed_bytes: int = 0
+    batch_bytes: List[int] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def count_batch(self, tensors: int, nbytes: int, sent: int) -> None:
+        """One allreduce batch: `tensors` tensors, `nbytes` reduced, `sent` bytes sent."""
+        self.allreduce_batches += 1
+        self.allreduce_tensors += tensors
+        self.allreduce_bytes += nbytes
+        self.bytes_sent += sent
+        self.batch_bytes.append(nbytes)
+        if len(self.batch_bytes) > 100000:
+            del self.batch_bytes[:50000]
