@@ -18,6 +18,7 @@ exact command, the counts at each rank count and every test that failed or was s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -208,16 +209,41 @@ def counts(results: Dict[str, Outcome]) -> Dict[str, int]:
     return out
 
 
-def write_report(path: Path, command: str, suite: Path, all_results: Dict[int, Dict[str, Outcome]],
+def save_results(path: Path, commands: List[str], suite: str, timeout: float,
+                 all_results: Dict[int, Dict[str, Outcome]], seconds: Dict[int, float]) -> None:
+    """Keep a run's outcomes, so runs at different rank counts can make one report."""
+    path.write_text(json.dumps({
+        "commands": commands, "suite": suite, "timeout": timeout,
+        "seconds": {str(np): t for np, t in seconds.items()},
+        "results": {str(np): {t: [o.status, o.message, {str(r): v for r, v in o.ranks.items()}]
+                              for t, o in results.items()}
+                    for np, results in all_results.items()}}, indent=1))
+
+
+def load_results(paths: List[Path]):
+    commands, all_results, seconds, suite, timeout = [], {}, {}, "", 0.0
+    for path in paths:
+        data = json.loads(path.read_text())
+        commands += [c for c in data["commands"] if c not in commands]
+        suite, timeout = data["suite"], max(timeout, data["timeout"])
+        for np, results in data["results"].items():
+            all_results[int(np)] = {t: Outcome(v[0], v[1], {int(r): s for r, s in v[2].items()})
+                                    for t, v in results.items()}
+            seconds[int(np)] = data["seconds"][np]
+    return commands, suite, timeout, dict(sorted(all_results.items())), seconds
+
+
+def write_report(path: Path, commands: List[str], suite: str,
+                 all_results: Dict[int, Dict[str, Outcome]],
                  seconds: Dict[int, float], timeout: float) -> None:
     lines = ["# Horovod's PyTorch test suite against fusionring", "",
              "Each test of the suite runs alone in its own `mpiexec -n N` (a failure cannot cascade "
              "into the next test), with `import horovod.torch as hvd` changed to "
              "`import fusionring.torch as hvd`; a test passes when every rank passes it, and a "
              f"test still running after {timeout:.0f} s counts as failed (timeout).", "",
-             "Command:", "", "```bash", command, "```", "",
-             f"Suite: `{suite.name}` ({sum(1 for _ in all_results[next(iter(all_results))])} "
-             f"tests).", "",
+             "Command" + ("s" if len(commands) > 1 else "") + ":", "", "```bash", *commands,
+             "```", "",
+             f"Suite: `{suite}` ({len(all_results[next(iter(all_results))])} tests).", "",
              "| ranks | passed | failed | skipped | minutes |", "| --- | --- | --- | --- | --- |"]
     for np, results in all_results.items():
         c = counts(results)
@@ -245,7 +271,8 @@ def write_report(path: Path, command: str, suite: Path, all_results: Dict[int, D
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("test_file", type=Path, help="Horovod's test/parallel/test_torch.py")
+    parser.add_argument("test_file", type=Path, nargs="?",
+                        help="Horovod's test/parallel/test_torch.py")
     parser.add_argument("-np", default="2,3,4", help="rank counts, comma separated (2,3,4)")
     parser.add_argument("--helper", type=Path, default=None,
                         help="the suite's helper module (default: common.py beside it or "
@@ -256,7 +283,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("-o", "--output", type=Path, default=DEFAULT_REPORT,
                         help="Markdown report (default docs/benchmarks/horovod-compat.md); "
                              "'-' writes none")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="also keep the outcomes as JSON (for --combine)")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="write the report from runs kept with --save (e.g. one per rank "
+                             "count, run apart); runs nothing")
     args = parser.parse_args(argv)
+    if args.combine:
+        commands, suite, timeout, all_results, seconds = load_results(args.combine)
+        write_report(args.output, commands, suite, all_results, seconds, timeout)
+        print(f"wrote {args.output}")
+        return 0
+    if args.test_file is None:
+        parser.error("the test file is required (unless --combine)")
     test_file = args.test_file.resolve()
     if not test_file.exists():
         raise SystemExit(f"{test_file} does not exist")
@@ -288,8 +327,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         for np, results in all_results.items():
             c = counts(results)
             print(f"{np:>5} {c['passed']:>7} {c['failed']:>7} {c['skipped']:>8}")
+        if args.save is not None:
+            save_results(args.save, [command], test_file.name, args.timeout, all_results, seconds)
         if str(args.output) != "-":
-            write_report(args.output, command, test_file, all_results, seconds, args.timeout)
+            write_report(args.output, [command], test_file.name, all_results, seconds,
+                         args.timeout)
             print(f"wrote {args.output}")
         failed = any(o.status == "failed" for r in all_results.values() for o in r.values())
         return 1 if failed else 0
