@@ -235,7 +235,7 @@ def load_results(paths: List[Path]):
 
 def write_report(path: Path, commands: List[str], suite: str,
                  all_results: Dict[int, Dict[str, Outcome]],
-                 seconds: Dict[int, float], timeout: float) -> None:
+                 seconds: Dict[int, float], timeout: float, notes: str = "") -> None:
     lines = ["# Horovod's PyTorch test suite against fusionring", "",
              "Each test of the suite runs alone in its own `mpiexec -n N` (a failure cannot cascade "
              "into the next test), with `import horovod.torch as hvd` changed to "
@@ -243,11 +243,12 @@ def write_report(path: Path, commands: List[str], suite: str,
              f"test still running after {timeout:.0f} s counts as failed (timeout).", "",
              "Command" + ("s" if len(commands) > 1 else "") + ":", "", "```bash", *commands,
              "```", "",
-             f"Suite: `{suite}` ({len(all_results[next(iter(all_results))])} tests).", "",
-             "| ranks | passed | failed | skipped | minutes |", "| --- | --- | --- | --- | --- |"]
+             f"Suite: `{suite}`.", "",
+             "| ranks | tests run | passed | failed | skipped | minutes |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for np, results in all_results.items():
         c = counts(results)
-        lines.append(f"| {np} | {c['passed']} | {c['failed']} | {c['skipped']} | "
+        lines.append(f"| {np} | {len(results)} | {c['passed']} | {c['failed']} | {c['skipped']} | "
                      f"{seconds[np] / 60:.1f} |")
     for status in ("failed", "skipped"):
         rows = {}
@@ -265,6 +266,8 @@ def write_report(path: Path, commands: List[str], suite: str,
             nps = ", ".join(str(np) for np, _ in seen)
             message = seen[0][1].replace("|", "\\|")
             lines.append(f"| `{name}` | {nps} | {message} |")
+    if notes.strip():
+        lines += ["", "## Notes", "", notes.strip()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
@@ -288,10 +291,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="write the report from runs kept with --save (e.g. one per rank "
                              "count, run apart); runs nothing")
+    parser.add_argument("--notes", type=Path, default=None,
+                        help="a Markdown file appended to the report as its Notes (e.g. why a "
+                             "test fails with Horovod too)")
     args = parser.parse_args(argv)
+    notes = args.notes.read_text() if args.notes is not None else ""
     if args.combine:
         commands, suite, timeout, all_results, seconds = load_results(args.combine)
-        write_report(args.output, commands, suite, all_results, seconds, timeout)
+        write_report(args.output, commands, suite, all_results, seconds, timeout, notes)
         print(f"wrote {args.output}")
         return 0
     if args.test_file is None:
@@ -331,7 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             save_results(args.save, [command], test_file.name, args.timeout, all_results, seconds)
         if str(args.output) != "-":
             write_report(args.output, [command], test_file.name, all_results, seconds,
-                         args.timeout)
+                         args.timeout, notes)
             print(f"wrote {args.output}")
         failed = any(o.status == "failed" for r in all_results.values() for o in r.values())
         return 1 if failed else 0

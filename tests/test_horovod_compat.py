@@ -60,7 +60,7 @@ def test_compat_script_reports_pass_fail_skip_and_timeout_per_test(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 1, done.stdout + done.stderr  # some tests failed
     text = report.read_text()
-    assert "| 2 | 1 | 2 | 1 |" in text, text
+    assert "| 2 | 4 | 1 | 2 | 1 |" in text, text
     assert "`test_fails_on_rank_one` | 2 | rank 1: AssertionError: rank one refuses" in text
     assert "`test_hangs_on_rank_zero` | 2 | timeout after 25 s" in text
     assert "`test_skipped_everywhere` | 2 | nothing to do here" in text
