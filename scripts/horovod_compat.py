@@ -227,9 +227,11 @@ def load_results(paths: List[Path]):
         commands += [c for c in data["commands"] if c not in commands]
         suite, timeout = data["suite"], max(timeout, data["timeout"])
         for np, results in data["results"].items():
-            all_results[int(np)] = {t: Outcome(v[0], v[1], {int(r): s for r, s in v[2].items()})
-                                    for t, v in results.items()}
-            seconds[int(np)] = data["seconds"][np]
+            # A later run's outcome of a test replaces an earlier one's.
+            all_results.setdefault(int(np), {}).update(
+                {t: Outcome(v[0], v[1], {int(r): s for r, s in v[2].items()})
+                 for t, v in results.items()})
+            seconds[int(np)] = seconds.get(int(np), 0.0) + data["seconds"][np]
     return commands, suite, timeout, dict(sorted(all_results.items())), seconds
 
 
@@ -290,7 +292,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also keep the outcomes as JSON (for --combine)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="write the report from runs kept with --save (e.g. one per rank "
-                             "count, run apart); runs nothing")
+                             "count, run apart; a later file's outcome of a test wins); runs "
+                             "nothing")
     parser.add_argument("--notes", type=Path, default=None,
                         help="a Markdown file appended to the report as its Notes (e.g. why a "
                              "test fails with Horovod too)")
