@@ -223,9 +223,7 @@ void scale_in_place(void* buf, std::size_t count, DType dtype, double factor) {
   if (count == 0 || factor == 1.0) return;
   switch (dtype) {
     case DType::kFloat32:
-      // The product in double, rounded once (as Horovod's ScaleBuffer): an Average then
-      // equals the sum divided by the size, correctly rounded, not off by an ulp.
-      return scale_native<float, double>(static_cast<float*>(buf), count, factor);
+      return scale_native<float, float>(static_cast<float*>(buf), count, static_cast<float>(factor));
     case DType::kFloat64:
       return scale_native<double, double>(static_cast<double*>(buf), count, factor);
     case DType::kInt32:
