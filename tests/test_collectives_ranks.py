@@ -206,8 +206,8 @@ def reducescatter_grad(op):
     n = 2 * P + 1
     x = torch.ones(n, 2, requires_grad=True)
     y = hvd.reducescatter(x, op=op)
-    (y * (r + 1)).sum().backward()  # rank j's block gets gradient (j + 1), / P for Average
-    scale = 1.0 / P if op == hvd.Average else 1.0
+    (y * (r + 1)).sum().backward()  # rank j's block gets gradient (j + 1)
+    scale = 1.0 if op == hvd.Average else float(P)  # Horovod's scaling: P for Sum, 1 for Average
     base, extra = divmod(n, P)
     expect = torch.cat([torch.full((base + (1 if j < extra else 0), 2), (j + 1) * scale)
                         for j in range(P)])
@@ -254,9 +254,9 @@ def grouped_allgather_grad():
     x = torch.ones(r + 1, 2, requires_grad=True)
     z = torch.ones(2, requires_grad=True)
     gx, gz = hvd.grouped_allgather([x, z], name="gag_grad")
-    ((gx * (r + 1)).sum() + gz.sum()).backward()  # gradient summed over every rank's loss
-    return (torch.equal(x.grad, torch.full((r + 1, 2), float(P * (P + 1) // 2)))
-            and torch.equal(z.grad, torch.full((2,), float(P))))
+    ((gx * (r + 1)).sum() + gz.sum()).backward()  # gradient averaged over the ranks' losses
+    return (torch.allclose(x.grad, torch.full((r + 1, 2), (P + 1) / 2))
+            and torch.equal(z.grad, torch.full((2,), 1.0)))
 
 check("grouped_allgather_grad", grouped_allgather_grad)
 check("grouped_empty", lambda: hvd.grouped_allgather([]) == []

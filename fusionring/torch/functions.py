@@ -613,8 +613,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     """Start reducing a sparse (COO) tensor: every rank's indices and values are gathered
     and the result is their sum (divided by size() for Average), still sparse.
 
-    ``synchronize`` returns the reduced sparse tensor; duplicate indices are summed when
-    it is coalesced.
+    The handle is callable, as Horovod's: ``handle()`` (or ``synchronize(handle)``) returns
+    the reduced sparse tensor; duplicate indices are summed when it is coalesced.
     """
     reduce_op = resolve_op(op)
     label = name if name is not None else f"sparse{AUTO_NAME_MARK}{next(_auto_names)}"
@@ -638,7 +638,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
         return torch.sparse_coo_tensor(indices.t(), values, tensor.shape,
                                        check_invariants=False).to(tensor.device)
 
-    return _register(_submit(requests), finish)
+    return _CallableHandle(_register(_submit(requests), finish))
+
+
+class _CallableHandle(int):
+    """A handle that is also Horovod's sparse handle: ``handle()`` waits and returns the
+    result, as ``synchronize(handle)`` does."""
+
+    def __call__(self):
+        return synchronize(self)
 
 
 @_keeps_runtime
@@ -650,9 +658,11 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        # As Horovod: the output gradient averaged over the ranks (of the set), then this
+        # rank's rows of it.
         dims = synchronize(allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64)))
-        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
-        offset = int(dims[: rank()].sum())
+        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
+        offset = int(dims[: _rt.get("allgather").rank].sum())
         return reduced.narrow(0, offset, ctx.dim0), None
 
 
@@ -688,8 +698,8 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64)))
         reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs],
-                                                      op=Sum))
-        offsets = dims[: rank()].sum(dim=0).tolist()
+                                                      op=Average))
+        offsets = dims[: _rt.get("grouped_allgather").rank].sum(dim=0).tolist()
         grads = [g.narrow(0, int(o), d).reshape(s)
                  for g, o, d, s in zip(reduced, offsets, ctx.dims, ctx.shapes)]
         return (None, *grads)
@@ -816,7 +826,8 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     what = _described("reducescatter", name)
     reduce_op = resolve_op(op)
     if reduce_op == ReduceOp.Adasum:
-        raise ValueError(f"{what}: op=Adasum is for allreduce only")
+        # NotImplementedError is a RuntimeError, what Horovod raises here.
+        raise NotImplementedError(f"{what}: op=Adasum is for allreduce only")
     host = _host(tensor, name if name is not None else "(unnamed)")
     if tensor.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
@@ -851,13 +862,18 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 
 def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
                          scales: Tuple[float, float]) -> List[torch.Tensor]:
-    """Input gradients of a reducescatter: every rank's output gradient, gathered back."""
+    """Input gradients of a reducescatter: every rank's output gradient, gathered back.
+
+    Scaled as Horovod scales them: by the set's size for Sum, by 1 for Average, and by
+    the prescale and postscale factors.
+    """
     if op not in (ReduceOp.Sum, ReduceOp.Average):
         raise RuntimeError(f"reducescatter is differentiable with op=Sum or Average, not "
                            f"{op.name}")
-    _, pre, post = core_reduction(op, scales[0], scales[1], size())
+    factor = float(scales[0]) * float(scales[1])
+    if op == ReduceOp.Sum:
+        factor *= _rt.get("reducescatter").size
     gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads]))
-    factor = pre * post
     return [g * factor if factor != 1.0 else g for g in gathered]
 
 
@@ -978,7 +994,8 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Sum))
+        # As Horovod: the output gradient averaged over the ranks (of the set), kept on root.
+        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
         if _global_rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None

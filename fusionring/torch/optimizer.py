@@ -21,7 +21,7 @@ from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using()
 from ..compression import Compression, capabilities
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
-from ..process_sets import runtime_for
+from ..process_sets import is_added, runtime_for
 from . import functions as F
 
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
@@ -108,7 +108,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     fusing gradients in balanced groups; or ``"auto"``: the first step runs with threshold
     fusion and records the order gradients become ready in, then balanced groups are made
     from rank 0's order, as ``make_plan`` would, and used from the second step on). With `process_set`, gradients are averaged
-    over that set's ranks only (every member wraps its optimizer alike).
+    over that set's ranks only (every member wraps its optimizer alike); on a rank outside
+    the set, as in Horovod, the optimizer reduces nothing and steps on the local gradients.
 
     `gradient_buffer` (default: the ``FUSIONRING_GRADIENT_BUFFER`` setting, on) applies to
     threshold fusion: after the first step, gradients below the pack limit become views of
@@ -124,9 +125,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                  grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
                  process_set=None, gradient_buffer: Optional[bool] = None) -> None:
+        # As in Horovod, a rank outside `process_set` (a registered set) trains on its own:
+        # its optimizer reduces nothing and steps on the local gradients.
+        self._outside_set = (process_set is not None and is_added(process_set)
+                             and not process_set.included())
         # A process set's own runtime, or None: the global runtime (looked up at each use,
         # so the optimizer outlives a shutdown() / init() of it).
-        self._set_runtime = runtime_for(process_set, "DistributedOptimizer")
+        self._set_runtime = (None if self._outside_set
+                             else runtime_for(process_set, "DistributedOptimizer"))
         runtime = self._set_runtime or _rt.get("DistributedOptimizer")
         if num_groups:
             warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
@@ -171,7 +177,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles = []
         self._last_step_end = time.perf_counter()
         self._slowdown = settings().slowdown_factor
-        self._size = runtime.size
+        self._size = 1 if self._outside_set else runtime.size
         self._process_set = process_set
         # The gradients in the order they become ready, while the first step records it for
         # grouping_plan="auto" or the gradient buffer; None otherwise. At the end of that step
