@@ -365,3 +365,35 @@ def test_nm_state_refuses_bad_configuration():
         hooks.NMState(n=5, m=4)
     with pytest.raises(ValueError, match="values"):
         hooks.NMState(values=torch.int32)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec_path
+
+    script = str(ROOT / "examples/ddp_hooks.py")
+    port = str(_free_port())
+    if launcher == "mpiexec":
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", port, script]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
+    assert re.search(r"hook state for \d+ buckets restored", done.stdout), done.stdout
