@@ -397,3 +397,40 @@ def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
     assert re.search(r"hook state for \d+ buckets restored", done.stdout), done.stdout
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(shared_mask=False, values=torch.bfloat16),
+                                    dict(schedule="adaptive"),
+                                    dict(n=1, m=8, schedule=[(0, (8, 8)), (3, (1, 8))]),
+                                    dict(error_feedback=False, values=torch.float32)])
+def test_state_pickles_and_state_dict_loads_weights_only_for_every_configuration(kwargs):
+    import io
+
+    from fusionring.ddp import hooks
+
+    state = hooks.NMState(**kwargs)
+    x = torch.randn(1000)
+    for _ in range(3):  # some per-key state: residuals, estimates, steps
+        payload, ctx = state.compressor.compress(x, name="b")
+        if not isinstance(payload, tuple):
+            state.compressor.decompress(payload.float(), ctx)
+    plain, pickled = io.BytesIO(), io.BytesIO()
+    torch.save(state.state_dict(), plain)
+    torch.save(state, pickled)
+    plain.seek(0)
+    pickled.seek(0)
+    want = state.codec_state()
+    loaded_states = [hooks.NMState.from_state_dict(torch.load(plain, weights_only=True)),
+                     torch.load(pickled, weights_only=False)]
+    nxt, _ = state.compressor.compress(x, name="b")   # the original's next step
+    nxt = nxt if isinstance(nxt, tuple) else (nxt,)
+    for loaded in loaded_states:
+        assert loaded.config() == state.config() and loaded.keys() == ["b"]
+        got = loaded.codec_state()
+        assert got["tensors"]["b"]["step"] == 3
+        assert want["residuals"].keys() == got["residuals"].keys()
+        for key in want["residuals"]:
+            assert torch.equal(want["residuals"][key], got["residuals"][key])
+        step, _ = loaded.compressor.compress(x, name="b")
+        step = step if isinstance(step, tuple) else (step,)
+        assert all(torch.equal(u, v) for u, v in zip(nxt, step))

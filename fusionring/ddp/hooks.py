@@ -21,7 +21,10 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..compression.nm import AdaptiveSchedule, NMCompressor, StepSchedule, scatter
+# The compressor and its schedules by their package names; one kernel wrapper (scatter) for
+# decoding the gathered per-rank buckets.
+from ..compression import AdaptiveSchedule, NMCompressor, StepSchedule
+from ..compression.nm import scatter
 from .state import HookState, bucket_key
 
 __all__ = ["HookState", "NMState", "nm_hook", "bucket_key"]
@@ -73,7 +76,7 @@ class NMState(HookState):
         return self.compressor.shared_mask
 
     def config(self) -> Dict[str, Any]:
-        return dict(self.compressor._config())
+        return self.compressor.state_dict()["config"]
 
     def codec_state(self) -> Dict[str, Any]:
         state = self.compressor.state_dict()
@@ -81,7 +84,7 @@ class NMState(HookState):
         return state
 
     def load_codec_state(self, state: Dict[str, Any]) -> None:
-        self.compressor.load_state_dict(dict(state, config=self.compressor._config()))
+        self.compressor.load_state_dict(dict(state, config=self.config()))
 
     def keys(self):
         return list(self.codec_state()["tensors"])
