@@ -277,11 +277,13 @@ class _MeteredDistributed:
 
 
 def _meter_hook_modules() -> None:
-    """Route the stock hook modules' ``dist.all_reduce`` through the meter (idempotent)."""
+    """Route the hook modules' ``dist.all_reduce`` through the meter (idempotent)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    for module in (default_hooks, powerSGD_hook):
+    from ..ddp import hooks as fusionring_hooks
+
+    for module in (default_hooks, powerSGD_hook, fusionring_hooks):
         if not isinstance(module.dist, _MeteredDistributed):
             module.dist = _MeteredDistributed(dist)
 
@@ -290,7 +292,9 @@ def _unmeter_hook_modules() -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    for module in (default_hooks, powerSGD_hook):
+    from ..ddp import hooks as fusionring_hooks
+
+    for module in (default_hooks, powerSGD_hook, fusionring_hooks):
         module.dist = dist
 
 
@@ -367,6 +371,17 @@ def _ddp_powersgd(ctx: BenchContext) -> Contender:
     # different orders and gloo aborts ("Received data size doesn't match expected size"). So each
     # bucket's chain finishes before the next bucket starts; the backward pass still overlaps it.
     return DdpContender(ctx, powerSGD_hook.powerSGD_hook, state, one_bucket_at_a_time=True)
+
+
+@register_contender("ddp-nm24", "torch DDP, gloo, fusionring.ddp.hooks.nm_hook (2:4, fp16 values, shared mask)",
+                    missing=_gloo_missing)
+def _ddp_nm24(ctx: BenchContext) -> Contender:
+    import torch
+
+    from ..ddp import hooks
+
+    # Its collective starts in the hook itself, never from a callback: no bucket-at-a-time needed.
+    return DdpContender(ctx, hooks.nm_hook, hooks.NMState(n=2, m=4, values=torch.float16))
 
 
 # ------------------------------------------------------------------------------ MPI's allreduce

@@ -1,0 +1,5 @@
+"""fusionring's gradient compressors for ``torch.nn.parallel.DistributedDataParallel``.
+
+``from fusionring.ddp import hooks`` then ``ddp_model.register_comm_hook(hooks.NMState(), hooks.nm_hook)``.
+Only ``torch.distributed`` (DDP's process group) and fusionring's C++ kernels are used: no MPI, no runtime.
+"""

@@ -1,0 +1,120 @@
+"""What every fusionring DDP communication hook keeps between steps, and how it is saved.
+
+A hook's state holds the process group (never saved: a group lives in one process) and, per
+DDP bucket, what its codec carries from one step to the next (error-feedback residuals, shared
+masks, schedule positions). Subclasses name their configuration (``config()``), build their
+codec from it, and save and load the codec's tensors (``codec_state``/``load_codec_state``);
+this base class makes the whole state picklable (``torch.save(state)``) and gives a
+``state_dict()`` of plain types that ``torch.load(..., weights_only=True)`` reads back.
+"""
+import zlib
+from typing import Any, Dict, Optional, Set
+
+import torch
+import torch.distributed as dist
+
+
+def bucket_key(bucket: dist.GradBucket) -> str:
+    """The key of a bucket's state: its position, element count and parameter shapes.
+
+    DDP rebuilds its buckets after the first step (in the order gradients became ready), so a
+    position alone may name different parameters from one step to the next; the shapes' checksum
+    tells such buckets apart, and a bucket whose layout changed starts with fresh state instead
+    of someone else's residual. The key is the same in every process that builds the same
+    model with the same bucket sizes, so saved state finds its buckets again after a restart.
+    (A new DDP model reduces its first step in one bucket of every parameter, sent dense; the
+    restored buckets' state takes effect from the second step, when DDP's buckets are back.)
+    """
+    shapes = ";".join(",".join(map(str, p.shape)) for p in bucket.parameters())
+    return f"{bucket.index()}:{bucket.buffer().numel()}:{zlib.crc32(shapes.encode()):08x}"
+
+
+class HookState:
+    """Base of the hooks' states: the process group and per-bucket bookkeeping.
+
+    `process_group` None means DDP's default group. Subclasses implement ``config()``,
+    ``codec_state()``, ``load_codec_state()`` and ``forget(keys)``.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.process_group = process_group
+        self._seen: Set[str] = set()     # keys used in this step so far
+        self._idle: Dict[str, int] = {}  # key -> steps ended since it was last used
+
+    # ---------------------------------------------------------------- per step
+    def group(self) -> dist.ProcessGroup:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def key(self, bucket: dist.GradBucket) -> str:
+        """The key of `bucket`'s state (:func:`bucket_key`), noted as used in this step."""
+        key = bucket_key(bucket)
+        self._seen.add(key)
+        return key
+
+    def end_of_step(self, bucket: dist.GradBucket) -> None:
+        """Called by a hook once it has used `bucket`. After the step's last bucket (DDP hands
+        buckets over in index order), state unused for two steps is dropped: that of a layout
+        DDP has since rebuilt. Two, not one: a new DDP model's first step is one bucket of every
+        parameter, and a state carried over into it must outlive that step."""
+        if not bucket.is_last():
+            return
+        for key in self._seen:
+            self._idle[key] = 0
+        for key in list(self._idle):
+            if key not in self._seen:
+                self._idle[key] += 1
+        stale = [key for key, idle in self._idle.items() if idle >= 2]
+        if stale:  # rare: after DDP rebuilt its buckets
+            self.forget(stale)
+            for key in stale:
+                del self._idle[key]
+        self._seen = set()
+
+    # ---------------------------------------------------------------- subclass surface
+    def config(self) -> Dict[str, Any]:
+        """Constructor keyword arguments (plain types) that rebuild an equal state."""
+        raise NotImplementedError
+
+    def codec_state(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def load_codec_state(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def keys(self):
+        """The bucket keys that hold state."""
+        raise NotImplementedError
+
+    def forget(self, keys) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Configuration and per-bucket state as tensors and plain types (no process group)."""
+        return {"kind": type(self).__name__, "config": self.config(), "codec": self.codec_state()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``; ValueError if it was saved by another kind or configuration."""
+        if state.get("kind") != type(self).__name__ or state.get("config") != self.config():
+            raise ValueError(f"hook state was saved by {state.get('kind')} with "
+                             f"{state.get('config')}, but this is {type(self).__name__} with "
+                             f"{self.config()}")
+        self.load_codec_state(state["codec"])
+        self._seen, self._idle = set(), {key: 0 for key in self.keys()}
+
+    @classmethod
+    def from_state_dict(cls, state: Dict[str, Any],
+                        process_group: Optional[dist.ProcessGroup] = None) -> "HookState":
+        """A new state built from ``state_dict()``'s configuration, with its tensors loaded."""
+        new = cls(process_group=process_group, **state["config"])
+        new.load_state_dict(state)
+        return new
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The process group cannot travel; a loaded state uses the default group until
+        # `process_group` is set again.
+        return self.state_dict()
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        type(self).__init__(self, process_group=None, **state["config"])
+        self.load_state_dict(state)

@@ -1,0 +1,436 @@
+"""fusionring's DDP communication hooks (fusionring.ddp.hooks) under mpiexec + gloo.
+
+The ranks train a model whose gradients are small integers (every layer sees integer inputs
+and integer output weights), so float16 values and sums over ranks in any order are exact,
+and a numpy simulation of the codec -- N:M selection by ``ref_keep`` of test_nm, the shared
+mask's estimate/wait rule of docs/nm.md, error feedback -- must give the same parameters bit
+for bit. The simulation follows the bucket layouts DDP reported at each step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_ranks
+from test_nm import ref_keep
+
+pytestmark = pytest.mark.timeout(300)
+
+# Shared by the ranks and the reference: the model and every rank's data.
+COMMON = r'''
+import numpy as np
+import torch
+
+SHAPES = [(7, 5), (6, 9), (4, 3), (10, 11), (3, 13)]   # (out, in) of each layer; odd counts
+LR = 0.25
+
+
+class Parallel(torch.nn.Module):
+    """Independent bias-free layers; loss = sum_i <layer_i(x_i), t_i>: dL/dW_i = t_i^T x_i."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o, bias=False) for o, i in SHAPES)
+
+    def forward(self, xs, ts):
+        return sum((layer(x) * t).sum() for layer, x, t in zip(self.layers, xs, ts))
+
+
+def batch(rank, step):
+    rng = np.random.default_rng(100 * rank + step)
+    xs = [torch.from_numpy(rng.integers(-3, 4, size=(4, i)).astype(np.float32)) for o, i in SHAPES]
+    ts = [torch.from_numpy(rng.integers(-3, 4, size=(4, o)).astype(np.float32)) for o, i in SHAPES]
+    return xs, ts
+
+
+def local_grads(rank, step):
+    xs, ts = batch(rank, step)
+    return [(t.T @ x).numpy() for x, t in zip(xs, ts)]
+'''
+exec(COMMON)
+
+RANK_PRELUDE = COMMON + r'''
+import os, tempfile
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.nn.parallel import DistributedDataParallel as DDP
+from fusionring.ddp import hooks
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+store_dir = comm.bcast(tempfile.mkdtemp() if rank == 0 else None)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(store_dir, "store"),
+                        rank=rank, world_size=size)
+
+
+def make_ddp(cap_mb, view=False, static=False):
+    model = Parallel()
+    ddp = DDP(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=view, static_graph=static)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    layouts = []   # per step: [(bucket index, [parameter indices])]
+
+    def record(state, bucket):
+        if bucket.index() == 0:
+            layouts.append([])
+        layouts[-1].append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
+        return hooks.nm_hook(state, bucket)
+
+    return model, ddp, layouts, record
+
+
+def params(model):
+    return [p.detach().numpy().tolist() for p in model.parameters()]
+'''
+
+
+# ---------------------------------------------------------------------- the reference
+class RefNM:
+    """numpy simulation of NMState + nm_hook over `size` ranks, per bucket."""
+
+    def __init__(self, size, n, m, shared_mask, error_feedback=True):
+        self.size, self.n, self.m = size, n, m
+        self.shared, self.ef = shared_mask, error_feedback
+        self.buckets = {}   # (index, params) -> dict(res=[per rank], est, wait)
+
+    def reduce(self, key, inputs):
+        """inputs: one flat float32 array per rank -> the averaged decoded bucket."""
+        count = inputs[0].size
+        st = self.buckets.setdefault(key, dict(res=[np.zeros(count, np.float32)] * self.size,
+                                               est=None, wait=None))
+        xs = [(g + r).astype(np.float32) for g, r in zip(inputs, st["res"])] if self.ef else \
+            [g.astype(np.float32) for g in inputs]
+        half = [torch.from_numpy(x).half().float().numpy() for x in xs]
+        if self.shared:
+            if st["est"] is None or self.n == self.m:
+                keep = np.ones(count, bool)
+            else:
+                score = np.abs(st["est"]) * (st["wait"] + np.float32(1))
+                keep = ref_keep(score.astype(np.float32), self.n, self.m)
+            keeps = [keep] * self.size
+        else:
+            keeps = [ref_keep(x, self.n, self.m) for x in xs]
+        sent = [np.where(k, h, 0).astype(np.float32) for k, h in zip(keeps, half)]
+        st["res"] = [(x - s).astype(np.float32) for x, s in zip(xs, sent)]
+        avg = (np.sum(sent, axis=0, dtype=np.float32) / np.float32(self.size)).astype(np.float32)
+        if self.shared:
+            if st["est"] is None or self.n == self.m:
+                st["est"], st["wait"] = avg.copy(), np.zeros(count, np.float32)
+            else:
+                w = st["wait"]
+                st["est"] = np.where(keep, avg / (w + np.float32(1)), st["est"]).astype(np.float32)
+                st["wait"] = np.where(keep, np.float32(0), w + np.float32(1)).astype(np.float32)
+        return avg
+
+
+def reference_params(size, steps, layouts, n, m, shared_mask, joined_after=None):
+    """Parameters after `steps` SGD steps on the decoded averaged gradients; `joined_after[r]`:
+    rank r has no batch from that step on (it contributes zeros, as DDP's join does)."""
+    model = Parallel()
+    weights = [p.detach().clone() for p in model.parameters()]
+    ref = RefNM(size, n, m, shared_mask)
+    for step in range(steps):
+        grads = []
+        for r in range(size):
+            if joined_after is not None and step >= joined_after[r]:
+                grads.append([np.zeros((o, i), np.float32) for o, i in SHAPES])
+            else:
+                grads.append(local_grads(r, step))
+        for index, members in layouts[step]:
+            inputs = [np.concatenate([grads[r][i].reshape(-1) for i in members])
+                      for r in range(size)]
+            avg = ref.reduce((index, tuple(members)), inputs)
+            at = 0
+            for i in members:
+                numel = weights[i].numel()
+                g = torch.from_numpy(avg[at:at + numel].copy()).reshape(weights[i].shape)
+                weights[i].add_(g, alpha=-LR)
+                at += numel
+    return [w.numpy() for w in weights]
+
+
+def assert_same_params(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), w)
+
+
+TRAIN = r'''
+cfg = {cfg!r}
+model, ddp, layouts, record = make_ddp(cfg["cap_mb"], cfg["view"], cfg["static"])
+state = hooks.NMState(n=cfg["n"], m=cfg["m"], shared_mask=cfg["shared"])
+ddp.register_comm_hook(state, record)
+opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+for step in range(cfg["steps"]):
+    opt.zero_grad()
+    ddp(*batch(rank, step)).backward()
+    opt.step()
+report(dict(params=params(model), layouts=layouts))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-mask", "per-rank-masks"])
+def test_nm_hook_matches_single_process_computation_on_decoded_gradients(tmp_path, np_, shared):
+    cfg = dict(cap_mb=0.0001, view=False, static=False, n=2, m=4, shared=shared, steps=5)
+    results = run_ranks(np_, RANK_PRELUDE + TRAIN.format(cfg=cfg), tmp_path)
+    layouts = results[0]["layouts"]
+    assert len(layouts[-1]) >= 3, layouts[-1]   # several buckets
+    want = reference_params(np_, cfg["steps"], layouts, 2, 4, shared)
+    for r in range(np_):
+        assert_same_params(results[r]["params"], want)
+
+
+@pytest.mark.parametrize("view,static,cap_mb", [(True, False, 0.0001), (False, True, 0.0001),
+                                                (True, True, 0.0005), (False, False, 25)],
+                         ids=["bucket-view", "static-graph", "view+static", "one-bucket"])
+def test_nm_hook_with_bucket_views_static_graph_and_bucket_sizes(tmp_path, view, static, cap_mb):
+    cfg = dict(cap_mb=cap_mb, view=view, static=static, n=1, m=4, shared=True, steps=5)
+    results = run_ranks(2, RANK_PRELUDE + TRAIN.format(cfg=cfg), tmp_path)
+    layouts = results[0]["layouts"]
+    if cap_mb == 25:
+        assert len(layouts[-1]) == 1
+    elif cap_mb == 0.0005:
+        assert 1 < len(layouts[-1]) < len(SHAPES), layouts[-1]
+    assert_same_params(results[0]["params"], reference_params(2, cfg["steps"], layouts, 1, 4, True))
+    assert_same_params(results[1]["params"], results[0]["params"])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-mask", "per-rank-masks"])
+def test_nm_hook_with_uneven_inputs_under_join(tmp_path, shared):
+    code = RANK_PRELUDE + r'''
+shared = {shared!r}
+model, ddp, layouts, record = make_ddp(0.0001)
+state = hooks.NMState(shared_mask=shared)
+ddp.register_comm_hook(state, record)
+opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+with ddp.join():
+    for step in range(3 + 2 * rank):     # rank r has 3 + 2r batches
+        opt.zero_grad()
+        ddp(*batch(rank, step)).backward()
+        opt.step()
+report(dict(params=params(model), layouts=layouts))
+dist.destroy_process_group()
+'''.format(shared=shared)
+    results = run_ranks(3, code, tmp_path)
+    last = results[2]   # the rank with the most batches took every step
+    layouts = last["layouts"]
+    assert len(layouts) == 7
+    want = reference_params(3, 7, layouts, 2, 4, shared, joined_after=[3, 5, 7])
+    assert_same_params(last["params"], want)
+
+
+@pytest.mark.parametrize("values", ["float32", "float16"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-mask", "per-rank-masks"])
+def test_error_feedback_identity_holds_on_real_gradients(tmp_path, shared, values):
+    """sum over ranks of (gradient + old residual) = P * delivered average + sum of new residuals.
+
+    Exact up to float32 sums with float32 values; float16 values are summed in float16 on the
+    wire (as by torch's fp16 hook), which rounds the sum once more: within 2^-10 of it."""
+    code = RANK_PRELUDE + r'''
+shared = {shared!r}
+values = {values!r}
+torch.manual_seed(1)
+net = torch.nn.Sequential(torch.nn.Linear(20, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
+ddp = DDP(net, bucket_cap_mb=0.001)
+state = hooks.NMState(n=1, m=4, shared_mask=shared, values=values)
+steps = []
+
+def probe(state, bucket):
+    key = hooks.bucket_key(bucket)
+    old = state.compressor.memory.residuals.get(key)
+    grad = bucket.buffer().detach().clone().reshape(-1)
+    fut = hooks.nm_hook(state, bucket)
+
+    def after(f):
+        out = f.value()
+        new = state.compressor.memory.residuals[key]
+        steps.append(dict(key=key, grad=grad.tolist(), out=out.reshape(-1).tolist(),
+                          old=None if old is None else old.reshape(-1).tolist(),
+                          new=new.reshape(-1).tolist()))
+        return out
+    return fut.then(after)
+
+ddp.register_comm_hook(state, probe)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+for step in range(4):
+    opt.zero_grad()
+    x = torch.randn(8, 20, generator=g)
+    ddp(x).square().mean().backward()
+    opt.step()
+report(steps)
+dist.destroy_process_group()
+'''.format(shared=shared, values=values)
+    results = run_ranks(3, code, tmp_path)
+    records = list(zip(*results))
+    assert len(records) >= 4
+    nontrivial = 0
+    for per_rank in records:
+        assert len({r["key"] for r in per_rank}) == 1
+        count = len(per_rank[0]["grad"])
+        lhs = sum(np.array(r["grad"]) + (np.array(r["old"]) if r["old"] else 0.0) for r in per_rank)
+        rhs = 3 * np.array(per_rank[0]["out"]) + sum(np.array(r["new"]) for r in per_rank)
+        if values == "float32":
+            np.testing.assert_allclose(lhs, rhs, rtol=1e-5, atol=1e-7)
+        else:
+            np.testing.assert_allclose(lhs, rhs, rtol=0, atol=2.0 ** -10 * np.abs(lhs).max())
+        for r in per_rank[1:]:
+            assert r["out"] == per_rank[0]["out"]   # every rank decodes the same average
+        nontrivial += int(np.abs(np.array(per_rank[0]["new"])).sum() > 0) * (count > 0)
+    assert nontrivial >= 2   # residuals really were held back
+
+
+def test_state_round_trip_continues_bit_identically(tmp_path):
+    code = RANK_PRELUDE + r'''
+import io
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 40, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 30, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(30, 3, bias=False))
+
+def data(step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 12, generator=g)
+
+def train(ddp, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        ddp(data(step)).square().mean().backward()
+        opt.step()
+
+schedule = [[0, [4, 4]], [2, [2, 4]], [5, [1, 4]]]
+model = net()
+ddp = DDP(model, bucket_cap_mb=0.001)
+state = hooks.NMState(n=2, m=4, schedule=schedule)
+ddp.register_comm_hook(state, hooks.nm_hook)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+train(ddp, opt, range(4))
+
+pickled, plain, saved_opt = io.BytesIO(), io.BytesIO(), io.BytesIO()
+torch.save(state, pickled)
+torch.save(state.state_dict(), plain)
+torch.save(opt.state_dict(), saved_opt)
+saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+keys = sorted(state.keys())
+
+def resume(hook_state):
+    """A new DDP model from the checkpoint, trained on with `hook_state`."""
+    model2 = net()
+    model2.load_state_dict(saved_model)
+    ddp2 = DDP(model2, bucket_cap_mb=0.001)
+    ddp2.register_comm_hook(hook_state, hooks.nm_hook)
+    opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.1, momentum=0.9)
+    saved_opt.seek(0)
+    opt2.load_state_dict(torch.load(saved_opt))
+    train(ddp2, opt2, range(4, 9))
+    return params(model2)
+
+results = {}
+pickled.seek(0)
+loaded = torch.load(pickled, weights_only=False)
+plain.seek(0)
+from_dict = hooks.NMState.from_state_dict(torch.load(plain))   # weights_only by default
+assert sorted(loaded.keys()) == keys and sorted(from_dict.keys()) == keys
+results["pickle"] = resume(loaded)
+results["state_dict"] = resume(from_dict)
+straight = resume(state)                                          # the state that was saved
+fresh = resume(hooks.NMState(n=2, m=4, schedule=schedule))        # what losing it would give
+
+# a state of another configuration is refused by name
+try:
+    hooks.NMState(n=1, m=4).load_state_dict(state.state_dict())
+    refused = ""
+except ValueError as exc:
+    refused = str(exc)
+report(dict(straight=straight, resumed=results, fresh=fresh, refused=refused, n_keys=len(keys)))
+dist.destroy_process_group()
+'''
+    results = run_ranks(2, code, tmp_path)
+    for res in results:
+        assert res["n_keys"] >= 2   # several buckets
+        for how in ("pickle", "state_dict"):
+            assert res["resumed"][how] == res["straight"], how
+        assert res["fresh"] != res["straight"]
+        assert "NMState" in res["refused"] and "'n': 2" in res["refused"]
+
+
+def test_nm_state_refuses_bad_configuration():
+    from fusionring.ddp import hooks
+
+    with pytest.raises(ValueError, match="n=5"):
+        hooks.NMState(n=5, m=4)
+    with pytest.raises(ValueError, match="values"):
+        hooks.NMState(values=torch.int32)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec_path
+
+    script = str(ROOT / "examples/ddp_hooks.py")
+    port = str(_free_port())
+    if launcher == "mpiexec":
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", port, script]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
+    assert re.search(r"hook state for \d+ buckets restored", done.stdout), done.stdout
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(shared_mask=False, values=torch.bfloat16),
+                                    dict(schedule="adaptive"),
+                                    dict(n=1, m=8, schedule=[(0, (8, 8)), (3, (1, 8))]),
+                                    dict(error_feedback=False, values=torch.float32)])
+def test_state_pickles_and_state_dict_loads_weights_only_for_every_configuration(kwargs):
+    import io
+
+    from fusionring.ddp import hooks
+
+    state = hooks.NMState(**kwargs)
+    x = torch.randn(1000)
+    for _ in range(3):  # some per-key state: residuals, estimates, steps
+        payload, ctx = state.compressor.compress(x, name="b")
+        if not isinstance(payload, tuple):
+            state.compressor.decompress(payload.float(), ctx)
+    plain, pickled = io.BytesIO(), io.BytesIO()
+    torch.save(state.state_dict(), plain)
+    torch.save(state, pickled)
+    plain.seek(0)
+    pickled.seek(0)
+    want = state.codec_state()
+    loaded_states = [hooks.NMState.from_state_dict(torch.load(plain, weights_only=True)),
+                     torch.load(pickled, weights_only=False)]
+    nxt, _ = state.compressor.compress(x, name="b")   # the original's next step
+    nxt = nxt if isinstance(nxt, tuple) else (nxt,)
+    for loaded in loaded_states:
+        assert loaded.config() == state.config() and loaded.keys() == ["b"]
+        got = loaded.codec_state()
+        assert got["tensors"]["b"]["step"] == 3
+        assert want["residuals"].keys() == got["residuals"].keys()
+        for key in want["residuals"]:
+            assert torch.equal(want["residuals"][key], got["residuals"][key])
+        step, _ = loaded.compressor.compress(x, name="b")
+        step = step if isinstance(step, tuple) else (step,)
+        assert all(torch.equal(u, v) for u, v in zip(nxt, step))
