@@ -1,0 +1,182 @@
+"""Synchronization policies of the parameter server: which pushes to aggregate, and whom to answer.
+
+Each policy sees only the order in which pushes (and epoch ends) arrive, so everything the server decides is
+deterministic given that order and can be tested without MPI. A push is ``(worker, iteration)``; the policy answers
+with a ``Decision``: the gradients to apply now (workers and weights, in list order) and the workers to reply to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+SYNC_MODES = ("bsp", "asp", "ssp", "adaptive")
+DEFAULT_SLACK = 2.0  # adaptive: aggregate after this many further pushes even if the sync group is incomplete
+
+
+@dataclass
+class Decision:
+    """What the server does after one event: each entry of ``updates`` is one optimizer step on the weighted sum
+    of the listed workers' gradients ((worker, weight) pairs), applied in order; then reply to ``reply``."""
+    updates: List[List[Tuple[int, float]]] = field(default_factory=list)
+    reply: List[int] = field(default_factory=list)
+
+
+class BSP:
+    """Aggregate one gradient from every active worker (plain average), update, reply to all."""
+
+    def __init__(self, num_workers: int):
+        self.active = set(range(num_workers))
+        self.pending: List[int] = []
+
+    def push(self, worker: int, iteration: int) -> Decision:
+        self.pending.append(worker)
+        return self._maybe_flush()
+
+    def leave(self, worker: int) -> Decision:
+        self.active.discard(worker)
+        return self._maybe_flush()
+
+    def _maybe_flush(self) -> Decision:
+        if self.pending and self.active <= set(self.pending):
+            w = 1.0 / len(self.pending)
+            d = Decision([[(k, w) for k in self.pending]], list(self.pending))
+            self.pending = []
+            return d
+        return Decision()
+
+    def end_epoch(self, worker: int, epoch: int) -> Decision:
+        return Decision()
+
+
+class ASP:
+    """Apply each gradient on arrival and reply to its worker."""
+
+    def __init__(self, num_workers: int):
+        self.active = set(range(num_workers))
+
+    def push(self, worker: int, iteration: int) -> Decision:
+        return Decision([[(worker, 1.0)]], [worker])
+
+    def leave(self, worker: int) -> Decision:
+        self.active.discard(worker)
+        return Decision()
+
+    def end_epoch(self, worker: int, epoch: int) -> Decision:
+        return Decision()
+
+
+class SSP:
+    """As ASP, but a worker more than ``staleness`` iterations ahead of the slowest active worker waits."""
+
+    def __init__(self, num_workers: int, staleness: int):
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {staleness!r}")
+        self.staleness = staleness
+        self.iters: Dict[int, int] = {k: 0 for k in range(num_workers)}
+        self.held: List[int] = []
+
+    def _release(self) -> List[int]:
+        slowest = min(self.iters.values()) if self.iters else 0
+        out = [k for k in self.held if self.iters[k] - slowest <= self.staleness]
+        self.held = [k for k in self.held if k not in out]
+        return out
+
+    def push(self, worker: int, iteration: int) -> Decision:
+        self.iters[worker] = self.iters[worker] + 1
+        self.held.append(worker)
+        return Decision([[(worker, 1.0)]], self._release())
+
+    def leave(self, worker: int) -> Decision:
+        self.iters.pop(worker, None)
+        self.held = [k for k in self.held if k != worker]
+        return Decision([], self._release())
+
+    def end_epoch(self, worker: int, epoch: int) -> Decision:
+        return Decision()
+
+
+class Adaptive:
+    """The seed's adaptive scheme: ASP start, then per-epoch relaxed BSP for the top-s fastest workers.
+
+    At each epoch end, once every active worker has completed an epoch: s = max - min epochs completed; if s > 1
+    the s workers with the most epochs (ties: lower rank first) form the sync group, the rest stay asynchronous.
+    Sync-group gradients go to an aggregation list; from its first entry on, a slack counter counts every push the
+    server receives; the list is aggregated when it holds one gradient from every sync-group worker or the counter
+    exceeds ``slack``. Weights: worker k's gradient counts ``it_k / sum(it_j for j in list)`` with ``it_k`` the
+    worker's iteration count at its push (stale, less advanced workers count less).
+    """
+
+    def __init__(self, num_workers: int, slack: Optional[float] = None):
+        if slack is None:
+            slack = DEFAULT_SLACK
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0:
+            raise ValueError(f"slack must be a non-negative number or None, got {slack!r}")
+        self.slack = float(slack)
+        self.active = set(range(num_workers))
+        self.epochs: Dict[int, int] = {k: 0 for k in range(num_workers)}
+        self.group: List[int] = []
+        self.s = 0
+        self.list: List[Tuple[int, int]] = []
+        self.counter = 0
+        self.updates = 0
+        self.changes: List[dict] = []
+
+    def _flush(self) -> Decision:
+        total = float(sum(max(it, 1) for _, it in self.list))
+        d = Decision([[(k, max(it, 1) / total) for k, it in self.list]], [k for k, _ in self.list])
+        self.list, self.counter = [], 0
+        return d
+
+    def push(self, worker: int, iteration: int) -> Decision:
+        if self.list:
+            self.counter += 1
+        if worker not in self.group:
+            d = Decision([[(worker, 1.0)]], [worker])
+            self.updates += 1
+            if self.list and self.counter > self.slack:
+                f = self._flush()
+                self.updates += 1
+                d = Decision(d.updates + f.updates, d.reply + f.reply)
+            return d
+        self.list.append((worker, iteration))
+        if {k for k, _ in self.list} >= set(self.group) or self.counter > self.slack:
+            self.updates += 1
+            return self._flush()
+        return Decision()
+
+    def leave(self, worker: int) -> Decision:
+        self.active.discard(worker)
+        self.epochs.pop(worker, None)
+        if worker in self.group:
+            self.group = [k for k in self.group if k != worker]
+            if self.list and {k for k, _ in self.list} >= set(self.group):
+                return self._flush()
+        return Decision()
+
+    def end_epoch(self, worker: int, epoch: int) -> Decision:
+        self.epochs[worker] = epoch
+        if not self.epochs or min(self.epochs.values()) < 1:
+            return Decision()
+        s = max(self.epochs.values()) - min(self.epochs.values())
+        order = sorted(self.epochs, key=lambda k: (-self.epochs[k], k))
+        group = sorted(order[:s]) if s > 1 else []
+        if group != self.group:
+            self.changes.append({"update": self.updates, "s": s, "sync_group": group,
+                                 "async": sorted(set(self.epochs) - set(group))})
+            self.group = group
+            if self.list and (not group or {k for k, _ in self.list} >= set(group)):
+                return self._flush()
+        return Decision()
+
+
+def make_policy(sync: str, num_workers: int, staleness: int = 3, slack: Optional[float] = None):
+    """Build the policy object for ``sync``; ValueError naming the bad argument."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+    if sync == "bsp":
+        return BSP(num_workers)
+    if sync == "asp":
+        return ASP(num_workers)
+    if sync == "ssp":
+        return SSP(num_workers, staleness)
+    return Adaptive(num_workers, slack)
