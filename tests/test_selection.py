@@ -1,0 +1,77 @@
+"""Layer selection's shared part, single process: layers, counts, the agreed top k, error feedback."""
+import pytest
+import torch
+
+from fusionring.selection import Accumulator, how_many, layers_of, top_k
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2, bias=False))
+
+
+def test_layers_group_weight_and_bias_of_one_module():
+    assert layers_of(_mlp().named_parameters()) == [["0.weight", "0.bias"], ["2.weight"]]
+
+
+def test_model_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="no parameters"):
+        layers_of(torch.nn.ReLU().named_parameters())
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_fraction_outside_unit_interval_is_refused_by_name(fraction):
+    with pytest.raises(ValueError, match="fraction"):
+        how_many(8, fraction, None)
+
+
+def test_count_from_fraction_or_k():
+    assert how_many(8, 0.25, None) == 2
+    assert how_many(8, None, 3) == 3
+    assert how_many(3, 0.01, None) == 1
+    with pytest.raises(ValueError, match="k="):
+        how_many(8, None, 9)
+
+
+def test_top_k_breaks_ties_by_lower_index_and_honours_forced_layers():
+    assert top_k([1.0, 3.0, 3.0, 2.0], 2) == [1, 2]
+    assert top_k([1.0, 1.0, 1.0, 1.0], 2) == [0, 1]
+    assert top_k([1.0, 3.0, 3.0, 2.0], 2, forced=[0]) == [0, 1]
+
+
+def test_sent_plus_residual_equals_sum_of_gradients():
+    layers = [["a"], ["b"]]
+    acc = Accumulator(2)
+    g = torch.Generator().manual_seed(1)
+    total = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    sent = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    for step in range(5):
+        grads = {n: torch.randn(3, generator=g) for n in "ab"}
+        for n in "ab":
+            total[n] += grads[n]
+        summed = {n: acc.add(n, grads[n]) for n in "ab"}
+        chosen = [step % 2]
+        for i in chosen:
+            sent[layers[i][0]] += summed[layers[i][0]]
+        acc.settle(chosen, layers, summed)
+    for n in "ab":
+        kept = acc.residual.get(n, torch.zeros(3))
+        torch.testing.assert_close(sent[n] + kept, total[n])
+
+
+def test_max_wait_forces_a_starved_layer():
+    acc = Accumulator(3, max_wait=2)
+    layers = [["a"], ["b"], ["c"]]
+    for _ in range(2):
+        acc.settle([0], layers, {})
+    assert acc.forced() == [1, 2]
+    assert top_k([9.0, 0.0, 0.0], 1, acc.forced()) == [1]
+
+
+def test_accumulator_state_round_trip():
+    acc = Accumulator(2, max_wait=4)
+    acc.settle([0], [["a"], ["b"]], {"a": torch.ones(2), "b": torch.full((2,), 2.0)})
+    again = Accumulator(2)
+    again.load_state_dict(acc.state_dict())
+    assert again.waited == [0, 1] and again.max_wait == 4
+    torch.testing.assert_close(again.residual["b"], torch.full((2,), 2.0))
