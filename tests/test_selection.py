@@ -75,3 +75,85 @@ def test_accumulator_state_round_trip():
     again.load_state_dict(acc.state_dict())
     assert again.waited == [0, 1] and again.max_wait == 4
     torch.testing.assert_close(again.residual["b"], torch.full((2,), 2.0))
+
+
+from fusionring.selection import LayerSelection  # noqa: E402
+
+
+def _deep():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+
+
+def _grads(model):
+    model.zero_grad()
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_baselines_learn_layers_when_attached_and_hyper_from_the_model():
+    model = _deep()
+    sel = LayerSelection.norm(0.25)
+    assert sel.layers == []
+    sel.attach(model.named_parameters())
+    assert len(sel.layers) == 8 and sel.k == 2
+    assert LayerSelection.hyper(model, fraction=0.5).k == 4
+    assert LayerSelection.round_robin(k=3, model=model).k == 3
+
+
+def test_selection_refuses_parameters_the_optimizer_does_not_own():
+    model = _deep()
+    sel = LayerSelection.hyper(model, fraction=0.25)
+    with pytest.raises(ValueError, match="not owned"):
+        sel.attach(list(model.named_parameters())[:4])
+
+
+def test_hyper_factory_refuses_bad_fraction_and_parameterless_model():
+    with pytest.raises(ValueError, match="fraction"):
+        LayerSelection.hyper(_deep(), fraction=1.5)
+    with pytest.raises(ValueError, match="no parameters"):
+        LayerSelection.hyper(torch.nn.ReLU())
+
+
+def test_norm_picks_the_largest_gradient_per_element():
+    model = _deep()
+    sel = LayerSelection.norm(k=1, model=model)
+    g = _grads(model)
+    g["5.weight"] = g["5.weight"] * 0 + 100.0
+    assert sel.choose(sel.scores(g)) == [5]
+
+
+def test_round_robin_visits_every_layer_once_per_cycle():
+    sel = LayerSelection.round_robin(0.25, model=_deep())
+    seen = []
+    for _ in range(4):
+        seen += sel.choose(sel.scores({}))
+        sel.step_count += 1
+    assert sorted(seen) == list(range(8))
+
+
+def test_random_is_reproducible_from_its_seed_and_its_state():
+    a, b = (LayerSelection.random(0.25, seed=3, model=_deep()) for _ in range(2))
+    assert [a.choose(a.scores({})) for _ in range(5)] == [b.choose(b.scores({})) for _ in range(5)]
+    state = a.state_dict()
+    nxt = a.choose(a.scores({}))
+    b.load_state_dict(state)
+    assert b.choose(b.scores({})) == nxt
+
+
+def test_hyper_leaves_the_model_unchanged_and_resumes_exactly():
+    model = _deep()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sel = LayerSelection.hyper(model, fraction=0.25, hidden=16, lr=1e-2)
+    for _ in range(3):
+        sel.scores(_grads(model))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    state = sel.state_dict()
+    twin = LayerSelection.hyper(model, fraction=0.25, hidden=16, lr=1e-2)
+    twin.load_state_dict(state)
+    torch.manual_seed(7)
+    g = _grads(model)
+    s1 = sel.scores(g)
+    s2 = twin.scores(g)
+    assert s1 == s2 and any(x > 0 for x in s1)
