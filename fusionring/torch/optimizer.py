@@ -123,7 +123,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                  grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
-                 process_set=None, gradient_buffer: Optional[bool] = None) -> None:
+                 process_set=None, gradient_buffer: Optional[bool] = None,
+                 layer_selection=None) -> None:
         # A process set's own runtime, or None: the global runtime (looked up at each use,
         # so the optimizer outlives a shutdown() / init() of it).
         self._set_runtime = runtime_for(process_set, "DistributedOptimizer")
@@ -195,7 +196,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
               and compression is Compression.none
               and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
             self._ready_order, self._after_first_step = [], self._lay_out_gradients
-        if self._size > 1:
+        # Layer selection reduces in synchronize() (the agreement needs every gradient), so
+        # no per-gradient hooks are registered.
+        self._selection = layer_selection
+        if layer_selection is not None:
+            layer_selection.attach([(self._parameter_names[p], p) for p in self._requires_update])
+        elif self._size > 1:
             self._register_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -514,6 +520,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (submitting any not yet submitted)."""
+        if self._selection is not None:
+            from .layer_sync import reduce_selected
+            reduce_selected(self._selection, self._requires_update, self._parameter_names,
+                            self._compression, self._process_set)
+            self._synchronized = True
+            return
         if self._size == 1:
             self._synchronized = True
             return
@@ -648,6 +660,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if callable(extra):
             state = dict(state)
             state["fusionring"] = {"compression": extra()}
+        if self._selection is not None:
+            state = dict(state)
+            state.setdefault("fusionring", {})["layer_selection"] = self._selection.state_dict()
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -656,8 +671,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.load_state_dict(state_dict)
         self.param_groups = self._optimizer.param_groups
         self.state = self._optimizer.state
-        if extra and callable(getattr(self._compression, "load_state_dict", None)):
+        if extra and "compression" in extra and callable(
+                getattr(self._compression, "load_state_dict", None)):
             self._compression.load_state_dict(extra["compression"])
+        if extra and "layer_selection" in extra and self._selection is not None:
+            self._selection.load_state_dict(extra["layer_selection"])
 
     def add_param_group(self, param_group: dict) -> None:
         if not self.__dict__.get("_wrapping"):  # called by Optimizer.__init__ itself
