@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..compression import Compression, Compressor
+from ..selection import LayerSelection
 from ..exceptions import (FusionRingError, HorovodInternalError, NotInitializedError, StallError,
                           TensorMismatchError)
 from ..ops import ReduceOp

@@ -124,7 +124,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
                  grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
-                 process_set=None, gradient_buffer: Optional[bool] = None) -> None:
+                 process_set=None, gradient_buffer: Optional[bool] = None,
+                 layer_selection=None) -> None:
         # As in Horovod, a rank outside `process_set` (a registered set) trains on its own:
         # its optimizer reduces nothing and steps on the local gradients.
         self._outside_set = (process_set is not None and is_added(process_set)
@@ -202,7 +203,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
               and self._caps.identity
               and runtime.config.fusion_threshold_bytes > 0 and runtime.packs_fused_batches()):
             self._ready_order, self._after_first_step = [], self._lay_out_gradients
-        if self._size > 1:
+        # Layer selection reduces in synchronize() (the agreement needs every gradient), so
+        # no per-gradient hooks are registered.
+        self._selection = layer_selection
+        if layer_selection is not None:
+            layer_selection.attach([(self._parameter_names[p], p) for p in self._requires_update])
+        elif self._size > 1:
             self._register_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -526,6 +532,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (submitting any not yet submitted)."""
+        if self._selection is not None and not self._outside_set:
+            from .layer_sync import reduce_selected
+            reduce_selected(self._selection, self._requires_update, self._parameter_names,
+                            self._compression, self._process_set)
+            self._synchronized = True
+            return
         if self._size == 1:
             self._synchronized = True
             return
@@ -659,6 +671,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._caps.stateful:
             state = dict(state)
             state["fusionring"] = {"compression": self._compression.state_dict()}
+        if self._selection is not None:
+            state = dict(state)
+            state.setdefault("fusionring", {})["layer_selection"] = self._selection.state_dict()
         return state
 
     def load_state_dict(self, state_dict) -> None:
@@ -669,6 +684,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = self._optimizer.state
         if extra and self._caps.stateful:
             self._compression.load_state_dict(extra["compression"])
+        if extra and "layer_selection" in extra and self._selection is not None:
+            self._selection.load_state_dict(extra["layer_selection"])
 
     def add_param_group(self, param_group: dict) -> None:
         if not self.__dict__.get("_wrapping"):  # called by Optimizer.__init__ itself

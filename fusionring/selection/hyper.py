@@ -1,0 +1,84 @@
+"""The hypernetwork selector: an embedding -> two FC layers -> one alpha per layer.
+
+Training it costs no second forward pass and leaves the model's function untouched: the model
+is read as W_l * (alpha_l / stopgrad(alpha_l)), whose value is W_l, so the task loss's gradient
+with respect to alpha_l is <dL/dW_l, W_l> / alpha_l, computed from the gradients backward has
+already produced. That gradient is pushed through the hypernetwork with its own Adam. A layer's
+selection probability is the EMA of |alpha_t - alpha_{t-1}|; the k most probable are sent.
+"""
+from __future__ import annotations
+
+import copy
+
+from typing import Dict, List, Optional
+
+import torch
+
+from .selector import LayerSelector
+
+
+class HyperSelector(LayerSelector):
+    def __init__(self, model: Optional[torch.nn.Module] = None, fraction: Optional[float] = None,
+                 k: Optional[int] = None, ema: float = 0.9, hidden: int = 64, lr: float = 1e-3,
+                 max_wait: Optional[int] = None, seed: int = 0) -> None:
+        if not 0.0 <= float(ema) < 1.0:
+            raise ValueError(f"layer_selection: ema={ema} must lie in [0, 1)")
+        if int(hidden) < 1:
+            raise ValueError(f"layer_selection: hidden={hidden} must be >= 1")
+        self.ema, self.hidden, self.lr, self.seed = float(ema), int(hidden), float(lr), int(seed)
+        super().__init__(fraction, k, max_wait, model)
+
+    def _attached(self) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        n = len(self.layers)
+        self.embedding = torch.nn.Parameter(torch.randn(self.hidden, generator=g))
+        self.fc1 = torch.nn.Linear(self.hidden, self.hidden)
+        self.fc2 = torch.nn.Linear(self.hidden, n)
+        with torch.no_grad():
+            for p in list(self.fc1.parameters()) + list(self.fc2.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * self.hidden ** -0.5)
+        self.net_params = [self.embedding, *self.fc1.parameters(), *self.fc2.parameters()]
+        self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr)
+        self.prev_alpha: Optional[torch.Tensor] = None
+        self.prob = torch.zeros(n, dtype=torch.float64)
+
+    def alpha(self) -> torch.Tensor:
+        return torch.sigmoid(self.fc2(torch.relu(self.fc1(self.embedding))))
+
+    def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:
+        """Train the hypernetwork one step on this step's gradients, then score by smoothed change."""
+        alpha = self.alpha()
+        with torch.no_grad():
+            d_alpha = torch.zeros(len(self.layers))
+            for i, names in enumerate(self.layers):
+                dot = 0.0
+                for n in names:
+                    p = self.params[n]
+                    if p.grad is not None:
+                        dot += float((p.grad.double() * p.detach().double()).sum())
+                d_alpha[i] = dot / float(alpha[i])
+        self.optimizer.zero_grad(set_to_none=True)
+        alpha.backward(d_alpha)
+        self.optimizer.step()
+        with torch.no_grad():
+            now = self.alpha().double()
+            change = torch.zeros_like(now) if self.prev_alpha is None else (now - self.prev_alpha).abs()
+            self.prob = self.ema * self.prob + (1.0 - self.ema) * change
+            self.prev_alpha = now
+        return self.prob.tolist()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(),
+                "net": [p.detach().clone() for p in self.net_params],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "prev_alpha": None if self.prev_alpha is None else self.prev_alpha.clone(),
+                "prob": self.prob.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for p, v in zip(self.net_params, state["net"]):
+                p.copy_(v)
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.prev_alpha = None if state["prev_alpha"] is None else state["prev_alpha"].clone()
+        self.prob = state["prob"].clone()

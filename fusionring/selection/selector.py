@@ -1,0 +1,67 @@
+"""The selector base: knows the layers once attached, scores them, keeps what was not sent."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .base import Accumulator, how_many, layers_of, top_k
+
+
+class LayerSelector:
+    """Chooses k whole layers per step; subclasses say how a layer is scored.
+
+    The layers come from ``model`` when given, else from the optimizer's ``named_parameters``
+    when the selection is attached to it, so both ``hyper(model, ...)`` and ``norm(fraction)``
+    work.
+    """
+
+    def __init__(self, fraction: Optional[float] = None, k: Optional[int] = None,
+                 max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None) -> None:
+        if fraction is not None and not 0.0 < float(fraction) <= 1.0:
+            raise ValueError(f"layer_selection: fraction={fraction} must lie in (0, 1]")
+        self.fraction, self.k_arg, self.max_wait = fraction, k, max_wait
+        self.layers: List[List[str]] = []
+        self.params: Dict[str, torch.Tensor] = {}
+        self.k = 0
+        self.step_count = 0
+        self.acc: Optional[Accumulator] = None
+        if model is not None:
+            self.attach(model.named_parameters())
+
+    def attach(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Learn the layers; a second call must name parameters the first one owns."""
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if self.layers:
+            theirs = {n for n, _ in named}
+            mine = set(self.params)
+            if not mine <= theirs:
+                extra = sorted(mine - theirs)[:3]
+                raise ValueError(f"layer_selection: parameters {extra} are not owned by the optimizer")
+            return
+        self.layers = layers_of(named)
+        self.params = dict(named)
+        self.k = how_many(len(self.layers), self.fraction if self.k_arg is None else None, self.k_arg)
+        self.acc = Accumulator(len(self.layers), self.max_wait)
+        self._attached()
+
+    def _attached(self) -> None:
+        """Hook for subclasses that build state per layer."""
+
+    def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:
+        """This rank's score per layer for this step (higher is sent first)."""
+        raise NotImplementedError
+
+    def choose(self, total_scores: Sequence[float]) -> List[int]:
+        """The agreed layers from the scores summed across ranks."""
+        assert self.acc is not None
+        return top_k(total_scores, self.k, self.acc.forced())
+
+    def state_dict(self) -> dict:
+        assert self.acc is not None
+        return {"step": self.step_count, "acc": self.acc.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert self.acc is not None
+        self.step_count = state["step"]
+        self.acc.load_state_dict(state["acc"])
