@@ -166,6 +166,7 @@ for step in range(cfg["steps"]):
     ddp(*batch(rank, step)).backward()
     opt.step()
 report(dict(params=params(model), layouts=layouts))
+comm.Barrier()   # no rank tears gloo down while a peer still uses the store
 dist.destroy_process_group()
 '''
 
@@ -211,6 +212,7 @@ with ddp.join():
         ddp(*batch(rank, step)).backward()
         opt.step()
 report(dict(params=params(model), layouts=layouts))
+comm.Barrier()   # no rank tears gloo down while a peer still uses the store
 dist.destroy_process_group()
 '''.format(shared=shared)
     results = run_ranks(3, code, tmp_path)
@@ -261,6 +263,7 @@ for step in range(4):
     ddp(x).square().mean().backward()
     opt.step()
 report(steps)
+comm.Barrier()   # no rank tears gloo down while a peer still uses the store
 dist.destroy_process_group()
 '''.format(shared=shared, values=values)
     results = run_ranks(3, code, tmp_path)
@@ -347,6 +350,7 @@ try:
 except ValueError as exc:
     refused = str(exc)
 report(dict(straight=straight, resumed=results, fresh=fresh, refused=refused, n_keys=len(keys)))
+comm.Barrier()   # no rank tears gloo down while a peer still uses the store
 dist.destroy_process_group()
 '''
     results = run_ranks(2, code, tmp_path)
