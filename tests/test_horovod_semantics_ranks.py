@@ -138,6 +138,19 @@ def reducescatter_adasum_refused():
                                                                         float(len(members))))
     return False
 
+def reducescatter_half_prescale_case():
+    # Each rank's prescaled float16 contribution is rounded to float16 before the sum;
+    # the reference does that in numpy, sums in float32 and rounds the postscaled result.
+    xs = {k: rand(90 + k, 3 * len(members), 5).to(torch.float16) for k in members}
+    pre, post = 1.0 / 3.0, 1.7
+    y = hvd.reducescatter(xs[r], op=hvd.Sum, name="rs_half_pre", process_set=pset,
+                          prescale_factor=pre, postscale_factor=post)
+    scaled = [(xs[k].numpy().astype("float32") * pre).astype("float16").astype("float32")
+              for k in members]
+    ref = (sum(scaled) * post).astype("float16")
+    i = members.index(r)
+    return y.dtype == torch.float16 and (y.numpy() == ref[3 * i:3 * i + 3]).all()
+
 
 if r in members:
     check("allgather", allgather_case)
@@ -151,6 +164,7 @@ if r in members:
     check("sparse_sum", lambda: sparse_case(hvd.Sum))
     check("sparse_average", lambda: sparse_case(hvd.Average))
     check("reducescatter_adasum_refused", reducescatter_adasum_refused)
+    check("reducescatter_half_prescale", reducescatter_half_prescale_case)
 hvd.barrier()
 report(out)
 '''
@@ -163,7 +177,7 @@ def _assert_all(results, members):
             continue
         failed = {k: v for k, v in got.items() if v is not True}
         assert not failed, f"rank {rank}: {failed}"
-        assert len(got) == 12
+        assert len(got) == 13
 
 
 @pytest.mark.parametrize("np", [2, 3])

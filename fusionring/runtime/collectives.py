@@ -68,7 +68,9 @@ class MpiCollectives:
 
         Blocks follow Horovod: dim 0 // size rows each, and the first dim 0 % size ranks
         one row more. MPI has no float16/bfloat16 type, so those are widened to float32
-        here, reduced and scaled there, and rounded back once at the end.
+        here, reduced and scaled there, and rounded back once at the end. A prescaled
+        float16/bfloat16 input is rounded to its own dtype before the sum, as every
+        rank's scaled contribution is in Horovod (it scales in the tensor's dtype).
         """
         request = requests[0]
         MPI = self._rt._MPI
@@ -86,6 +88,8 @@ class MpiCollectives:
             if send is tensor:  # `tensor` may be the caller's memory: scale a copy
                 send = tensor.clone()
             _C.scale(send.data_ptr(), send.numel(), code, request.prescale)
+            if wide:
+                send = send.to(tensor.dtype).float()
         # request.core_op holds the core's op code (fusionring.ops.core_reduction).
         mpi_op = {0: MPI.SUM, 1: MPI.MIN, 2: MPI.MAX, 3: MPI.PROD}[request.core_op]
         self._rt._data_comm.Reduce_scatter(send.reshape(-1).numpy(), received.reshape(-1).numpy(),
