@@ -27,7 +27,8 @@ from ..compression import AdaptiveSchedule, NMCompressor, StepSchedule
 from ..compression.nm_kernels import scatter
 from .state import HookState, bucket_key
 
-__all__ = ["HookState", "NMState", "nm_hook", "bucket_key"]
+__all__ = ["HookState", "NMState", "nm_hook", "LayerSelectionState", "layer_selection_hook",
+           "bucket_key"]
 
 
 def _schedule_from_description(described: Any) -> Union[None, StepSchedule, AdaptiveSchedule]:
@@ -139,3 +140,7 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         return buffer
 
     return future.then(decode_gathered)
+
+
+# Each further method lives in a file of its own (see the module docstring).
+from .layer_selection import LayerSelectionState, layer_selection_hook  # noqa: E402
