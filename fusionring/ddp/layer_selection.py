@@ -19,7 +19,6 @@ other layers are set to zero and their sums stay in the residual until they are 
 Where DDP differs from the optimizer path: an unchosen layer's gradient is zero, not None, so a
 wrapped optimizer with momentum or weight decay still moves it (identically on every replica).
 """
-from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -189,7 +188,9 @@ class LayerSelectionState(HookState):
         for buffer, slices, _ in self._pending:
             for name, offset, count in slices:
                 summed[name] = acc.add(name, buffer.narrow(0, offset, count).detach())
-        scores = torch.tensor(selection.scores(summed), dtype=torch.float64)
+        # DDP runs hooks inside backward, where grad mode is off; the hypernetwork trains here.
+        with torch.enable_grad():
+            scores = torch.tensor(selection.scores(summed), dtype=torch.float64)
         if size > 1:
             dist.all_reduce(scores, group=group)   # a few hundred bytes; every rank, same sums
         chosen = selection.choose(scores.tolist())
