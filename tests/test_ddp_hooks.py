@@ -379,8 +379,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
+@pytest.mark.parametrize("launcher,hook", [("mpiexec", "nm"), ("torchrun", "nm"),
+                                           ("mpiexec", "layers")])
+def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher, hook):
     import os
     import re
     import subprocess
@@ -391,16 +392,17 @@ def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
     script = str(ROOT / "examples/ddp_hooks.py")
     port = str(_free_port())
     if launcher == "mpiexec":
-        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port]
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port, "--hook", hook]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", port, script]
+               "--master_addr", "127.0.0.1", "--master_port", port, script, "--hook", hook]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
-    assert re.search(r"hook state for \d+ buckets restored", done.stdout), done.stdout
+    what = "buckets" if hook == "nm" else "parameters"
+    assert re.search(rf"hook state for \d+ {what} restored", done.stdout), done.stdout
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(shared_mask=False, values=torch.bfloat16),
