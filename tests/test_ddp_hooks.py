@@ -52,7 +52,7 @@ def local_grads(rank, step):
 exec(COMMON)
 
 RANK_PRELUDE = COMMON + r'''
-import os, tempfile
+import os, sys, tempfile
 import torch.distributed as dist
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -82,6 +82,25 @@ def make_ddp(cap_mb, view=False, static=False):
 
 def params(model):
     return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def finish():
+    """Leave without running interpreter finalization.
+
+    DDP keeps gloo's process group, and so its worker threads, alive until the process exits
+    (destroy_process_group then does not join them). A worker still releasing a future's
+    callback or a tensor Python owns once finalization has begun cannot take the GIL, and the
+    process aborts ("terminate called without an active exception"). On a loaded machine that
+    worker may be off the CPU for as long as a rank needs to reach exit, so: every rank meets
+    (no one tears gloo down while a peer still uses it), the group is destroyed, MPI is
+    finalized, and the process ends at once.
+    """
+    comm.Barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)
 '''
 
 
@@ -166,8 +185,7 @@ for step in range(cfg["steps"]):
     ddp(*batch(rank, step)).backward()
     opt.step()
 report(dict(params=params(model), layouts=layouts))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
 
 
@@ -212,8 +230,7 @@ with ddp.join():
         ddp(*batch(rank, step)).backward()
         opt.step()
 report(dict(params=params(model), layouts=layouts))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''.format(shared=shared)
     results = run_ranks(3, code, tmp_path)
     last = results[2]   # the rank with the most batches took every step
@@ -263,8 +280,7 @@ for step in range(4):
     ddp(x).square().mean().backward()
     opt.step()
 report(steps)
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''.format(shared=shared, values=values)
     results = run_ranks(3, code, tmp_path)
     records = list(zip(*results))
@@ -350,8 +366,7 @@ try:
 except ValueError as exc:
     refused = str(exc)
 report(dict(straight=straight, resumed=results, fresh=fresh, refused=refused, n_keys=len(keys)))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
     results = run_ranks(2, code, tmp_path)
     for res in results:
@@ -473,8 +488,7 @@ with ddp.join(enable=cfg["join"]):
         ddp(*batch(rank, step)).backward()
         opt.step()
 report(dict(params=params(model), counts=counts, chosen=chosen))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
 
 
@@ -609,8 +623,7 @@ for step in range(5):
     ddp(x).square().mean().backward()
     opt.step()
 report(steps)
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
     results = run_ranks(3, code, tmp_path)
     held_back = 0
@@ -716,8 +729,7 @@ except ValueError as exc:
     refused = str(exc)
 out["refused"] = refused
 report(out)
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
     results = run_ranks(2, code, tmp_path, timeout=150)
     for res in results:

@@ -91,11 +91,8 @@ class NMState(HookState):
         return list(self.codec_state()["tensors"])
 
     def forget(self, keys) -> None:
-        state = self.compressor.state_dict()
-        for key in keys:
-            state["tensors"].pop(key, None)
-            state["residuals"].pop(key, None)
-        self.compressor.load_state_dict(state)
+        # In place: the step's other buckets may be decoding on gloo's threads right now.
+        self.compressor.forget(keys)
 
     def __repr__(self) -> str:
         return f"NMState({self.compressor.name})"
