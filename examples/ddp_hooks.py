@@ -1,11 +1,14 @@
-"""Train an MLP on scikit-learn's digits with plain PyTorch DDP and fusionring's N:M hook.
+"""Train an MLP on scikit-learn's digits with plain PyTorch DDP and a fusionring hook.
 
     torchrun --nproc_per_node 2 examples/ddp_hooks.py
     mpiexec -n 2 python examples/ddp_hooks.py            # ranks from MPI, gloo over 127.0.0.1
+    torchrun --nproc_per_node 2 examples/ddp_hooks.py --hook layers
 
-DDP stays DDP (gloo here); only its communication hook changes: every bucket travels as
-2 of every 4 values in float16 (a quarter of the bytes), the rest held back by error
-feedback. The hook's state is saved and restored with the rest of the checkpoint.
+DDP stays DDP (gloo here); only its communication hook changes. `--hook nm` (default): every
+bucket travels as 2 of every 4 values in float16 (a quarter of the bytes). `--hook layers`:
+each step the ranks agree on the layers with the largest accumulated gradient norm
+(`--fraction` of them) and only those travel. Either way what is not sent is held back by
+error feedback, and the hook's state is saved and restored with the rest of the checkpoint.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fusionring.datasets import load_digits_split
 from fusionring.ddp import hooks
+from fusionring.selection import LayerSelection
 
 
 def init_distributed(port: int) -> None:
@@ -41,12 +45,16 @@ def init_distributed(port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hook", choices=["nm", "layers"], default="nm",
+                        help="N:M sparsification of every bucket, or whole layers chosen per step")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--m", type=int, default=4)
     parser.add_argument("--per-rank-masks", action="store_true",
                         help="select on each rank's own gradients (allgather) instead of a shared mask")
+    parser.add_argument("--fraction", type=float, default=0.5,
+                        help="--hook layers: the share of layers sent each step")
     parser.add_argument("--port", type=int, default=29517, help="rendezvous port under mpiexec")
     args = parser.parse_args()
 
@@ -57,9 +65,15 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=0.1)   # several buckets, to show they are handled
-    state = hooks.NMState(process_group=None, n=args.n, m=args.m, values=torch.float16,
-                          shared_mask=not args.per_rank_masks)
-    ddp.register_comm_hook(state, hooks.nm_hook)
+    if args.hook == "nm":
+        state = hooks.NMState(process_group=None, n=args.n, m=args.m, values=torch.float16,
+                              shared_mask=not args.per_rank_masks)
+        ddp.register_comm_hook(state, hooks.nm_hook)
+    else:
+        state = hooks.LayerSelectionState(process_group=None,
+                                          selection=LayerSelection.norm(fraction=args.fraction),
+                                          model=model)
+        ddp.register_comm_hook(state, hooks.layer_selection_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
     shard = torch.arange(rank, len(x_train), size)
@@ -80,10 +94,14 @@ def main() -> None:
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                 "hook": state.state_dict()}, buffer)
     buffer.seek(0)
-    restored = hooks.NMState.from_state_dict(torch.load(buffer)["hook"])
+    saved = torch.load(buffer)["hook"]
+    if args.hook == "nm":
+        restored, what = hooks.NMState.from_state_dict(saved), "buckets"
+    else:   # the layers' residuals are named by parameter: the state is given the model again
+        restored, what = hooks.LayerSelectionState.from_state_dict(saved, model=model), "parameters"
     if rank == 0:
         print(f"checkpoint: {len(buffer.getvalue())} bytes, hook state for "
-              f"{len(restored.keys())} buckets restored", flush=True)
+              f"{len(restored.keys())} {what} restored", flush=True)
     dist.destroy_process_group()
 
 

@@ -58,6 +58,14 @@ def test_dense_peers_send_what_dense_fusionring_sends_and_fp16_half(two_rank_run
         assert contenders[name]["turns"][0]["bytes_per_step"] == pytest.approx(dense / 2, rel=0.03)
 
 
+def test_ddp_layer_selection_sends_less_than_dense_ddp(two_rank_run):
+    result, _ = two_rank_run
+    contenders = result["training"]["contenders"]
+    dense = contenders["ddp"]["turns"][0]["bytes_per_step"]
+    for turn in contenders["ddp-layers"]["turns"]:   # one of the two layers, and the scores
+        assert 0 < turn["bytes_per_step"] < 0.9 * dense
+
+
 def test_same_math_gives_the_same_accuracy_for_dense_contenders(two_rank_run):
     result, _ = two_rank_run
     contenders = result["training"]["contenders"]

@@ -52,7 +52,7 @@ def local_grads(rank, step):
 exec(COMMON)
 
 RANK_PRELUDE = COMMON + r'''
-import os, tempfile
+import os, sys, tempfile
 import torch.distributed as dist
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -82,6 +82,25 @@ def make_ddp(cap_mb, view=False, static=False):
 
 def params(model):
     return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def finish():
+    """Leave without running interpreter finalization.
+
+    DDP keeps gloo's process group, and so its worker threads, alive until the process exits
+    (destroy_process_group then does not join them). A worker still releasing a future's
+    callback or a tensor Python owns once finalization has begun cannot take the GIL, and the
+    process aborts ("terminate called without an active exception"). On a loaded machine that
+    worker may be off the CPU for as long as a rank needs to reach exit, so: every rank meets
+    (no one tears gloo down while a peer still uses it), the group is destroyed, MPI is
+    finalized, and the process ends at once.
+    """
+    comm.Barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)
 '''
 
 
@@ -166,8 +185,7 @@ for step in range(cfg["steps"]):
     ddp(*batch(rank, step)).backward()
     opt.step()
 report(dict(params=params(model), layouts=layouts))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
 
 
@@ -212,8 +230,7 @@ with ddp.join():
         ddp(*batch(rank, step)).backward()
         opt.step()
 report(dict(params=params(model), layouts=layouts))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''.format(shared=shared)
     results = run_ranks(3, code, tmp_path)
     last = results[2]   # the rank with the most batches took every step
@@ -263,8 +280,7 @@ for step in range(4):
     ddp(x).square().mean().backward()
     opt.step()
 report(steps)
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''.format(shared=shared, values=values)
     results = run_ranks(3, code, tmp_path)
     records = list(zip(*results))
@@ -350,8 +366,7 @@ try:
 except ValueError as exc:
     refused = str(exc)
 report(dict(straight=straight, resumed=results, fresh=fresh, refused=refused, n_keys=len(keys)))
-comm.Barrier()   # no rank tears gloo down while a peer still uses the store
-dist.destroy_process_group()
+finish()
 '''
     results = run_ranks(2, code, tmp_path)
     for res in results:
@@ -379,8 +394,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
+@pytest.mark.parametrize("launcher,hook", [("mpiexec", "nm"), ("torchrun", "nm"),
+                                           ("mpiexec", "layers")])
+def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher, hook):
     import os
     import re
     import subprocess
@@ -391,16 +407,17 @@ def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher):
     script = str(ROOT / "examples/ddp_hooks.py")
     port = str(_free_port())
     if launcher == "mpiexec":
-        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port]
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, script, "--port", port, "--hook", hook]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", port, script]
+               "--master_addr", "127.0.0.1", "--master_port", port, script, "--hook", hook]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
-    assert re.search(r"hook state for \d+ buckets restored", done.stdout), done.stdout
+    what = "buckets" if hook == "nm" else "parameters"
+    assert re.search(rf"hook state for \d+ {what} restored", done.stdout), done.stdout
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(shared_mask=False, values=torch.bfloat16),
@@ -438,3 +455,308 @@ def test_state_pickles_and_state_dict_loads_weights_only_for_every_configuration
         step, _ = loaded.compressor.compress(x, name="b")
         step = step if isinstance(step, tuple) else (step,)
         assert all(torch.equal(u, v) for u, v in zip(nxt, step))
+
+
+# ---------------------------------------------------------------------- layer selection
+LAYERS_TRAIN = r'''
+from fusionring.selection import LayerSelection
+
+cfg = {cfg!r}
+model = Parallel()
+ddp = DDP(model, bucket_cap_mb=cfg["cap_mb"], gradient_as_bucket_view=cfg["view"],
+          static_graph=cfg["static"])
+selection = getattr(LayerSelection, cfg["selection"])(k=cfg["k"])
+state = hooks.LayerSelectionState(process_group=None, selection=selection, model=model)
+counts = []   # buckets per step
+chosen = []
+
+def record(state, bucket):
+    if bucket.index() == 0:
+        counts.append(0)
+    counts[-1] += 1
+    fut = hooks.layer_selection_hook(state, bucket)
+    if bucket.is_last():
+        chosen.append(list(state.last_chosen))
+    return fut
+
+ddp.register_comm_hook(state, record)
+opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+steps = cfg["steps"] + (2 * rank if cfg["join"] else 0)
+with ddp.join(enable=cfg["join"]):
+    for step in range(steps):
+        opt.zero_grad()
+        ddp(*batch(rank, step)).backward()
+        opt.step()
+report(dict(params=params(model), counts=counts, chosen=chosen))
+finish()
+'''
+
+
+def reference_layer_selection(size, steps, selection, k, joined_after=None):
+    """numpy simulation of LayerSelectionState + layer_selection_hook (docs/layer-selection.md):
+    per rank gradient + residual, scores summed over ranks, the same top k everywhere, the
+    chosen layers averaged, the others zero with their sums kept. Returns the parameters and
+    the chosen layers of each step."""
+    n = len(SHAPES)
+    weights = [p.detach().clone() for p in Parallel().parameters()]
+    residual = [[np.zeros((o, i), np.float32) for o, i in SHAPES] for _ in range(size)]
+    chosen_steps = []
+    for step in range(steps):
+        summed = []
+        for r in range(size):
+            if joined_after is not None and step >= joined_after[r]:
+                grads = [np.zeros((o, i), np.float32) for o, i in SHAPES]
+            else:
+                grads = local_grads(r, step)
+            summed.append([(g + res).astype(np.float32) for g, res in zip(grads, residual[r])])
+        if selection == "norm":
+            scores = [sum(float(np.sqrt((summed[r][i].astype(np.float64) ** 2).sum() / summed[r][i].size))
+                          for r in range(size)) for i in range(n)]
+        else:   # round_robin: k consecutive layers from step * k
+            start = (step * k) % n
+            scores = [float(n - ((i - start) % n)) for i in range(n)]
+        chosen = sorted(sorted(range(n), key=lambda i: (-scores[i], i))[:k])
+        chosen_steps.append(chosen)
+        for i in range(n):
+            if i in chosen:
+                avg = np.sum([summed[r][i] for r in range(size)], axis=0, dtype=np.float32)
+                avg = (avg / np.float32(size)).astype(np.float32)
+                weights[i].add_(torch.from_numpy(avg), alpha=-LR)
+                for r in range(size):
+                    residual[r][i] = np.zeros_like(residual[r][i])
+            else:
+                for r in range(size):
+                    residual[r][i] = summed[r][i]
+    return [w.numpy() for w in weights], chosen_steps
+
+
+def _layers_cfg(**kw):
+    cfg = dict(cap_mb=0.0001, view=False, static=False, selection="norm", k=2, steps=6, join=False)
+    cfg.update(kw)
+    return cfg
+
+
+@pytest.mark.parametrize("np_,selection", [(2, "norm"), (3, "norm"), (2, "round_robin"),
+                                           (3, "round_robin")])
+def test_layer_selection_hook_matches_single_process_computation(tmp_path, np_, selection):
+    cfg = _layers_cfg(selection=selection)
+    results = run_ranks(np_, RANK_PRELUDE + LAYERS_TRAIN.format(cfg=cfg), tmp_path)
+    assert results[0]["counts"][-1] >= 3, results[0]["counts"]   # several buckets
+    want, chosen = reference_layer_selection(np_, cfg["steps"], selection, cfg["k"])
+    assert len({tuple(c) for c in chosen}) > 1   # the choice really moved
+    for r in range(np_):
+        assert results[r]["chosen"] == chosen   # every rank picked the reference's layers
+        assert_same_params(results[r]["params"], want)
+
+
+@pytest.mark.parametrize("view,static,cap_mb", [(True, False, 0.0001), (False, True, 0.0001),
+                                                (True, True, 0.0005), (False, False, 25)],
+                         ids=["bucket-view", "static-graph", "view+static", "one-bucket"])
+def test_layer_selection_hook_with_bucket_views_static_graph_and_bucket_sizes(tmp_path, view,
+                                                                              static, cap_mb):
+    cfg = _layers_cfg(view=view, static=static, cap_mb=cap_mb, k=3)
+    results = run_ranks(2, RANK_PRELUDE + LAYERS_TRAIN.format(cfg=cfg), tmp_path)
+    counts = results[0]["counts"]
+    if cap_mb == 25:
+        assert counts[-1] == 1
+    else:
+        assert counts[-1] > 1, counts
+    want, chosen = reference_layer_selection(2, cfg["steps"], "norm", 3)
+    for r in range(2):
+        assert results[r]["chosen"] == chosen
+        assert_same_params(results[r]["params"], want)
+
+
+def test_layer_selection_hook_with_uneven_inputs_under_join(tmp_path):
+    cfg = _layers_cfg(join=True, steps=3)    # rank r has 3 + 2r batches
+    results = run_ranks(3, RANK_PRELUDE + LAYERS_TRAIN.format(cfg=cfg), tmp_path)
+    last = results[2]
+    assert len(last["counts"]) == 7
+    want, chosen = reference_layer_selection(3, 7, "norm", 2, joined_after=[3, 5, 7])
+    assert last["chosen"] == chosen
+    for r in range(3):   # joined ranks took the same steps through join's shadow passes
+        assert_same_params(results[r]["params"], want)
+
+
+def test_layer_selection_error_feedback_identity_holds_on_real_gradients(tmp_path):
+    """Per parameter: sum over ranks of (gradient + old residual) = P * delivered average + sum
+    of new residuals; unchosen layers deliver exactly zero; every rank delivers the same."""
+    code = RANK_PRELUDE + r'''
+from fusionring.selection import LayerSelection
+
+torch.manual_seed(1)
+net = torch.nn.Sequential(torch.nn.Linear(20, 33), torch.nn.Tanh(), torch.nn.Linear(33, 17),
+                          torch.nn.Tanh(), torch.nn.Linear(17, 5))
+ddp = DDP(net, bucket_cap_mb=0.001)
+state = hooks.LayerSelectionState(selection=LayerSelection.hyper(net, k=1), model=net)
+steps = []
+
+def probe(state, bucket):
+    if bucket.index() == 0:
+        steps.append(dict(old={n: v.reshape(-1).tolist() for n, v in
+                               state.selection.acc.residual.items()}, grad={}, out={}))
+    record = steps[-1]
+    names = [state._names[id(p)] for p in bucket.parameters()]
+    sizes = [p.numel() for p in bucket.parameters()]
+    grad = bucket.buffer().detach().clone()
+    for name, piece in zip(names, grad.split(sizes)):
+        record["grad"][name] = piece.tolist()
+    fut = hooks.layer_selection_hook(state, bucket)
+
+    def after(f):
+        out = f.value()
+        for name, piece in zip(names, out.reshape(-1).split(sizes)):
+            record["out"][name] = piece.tolist()
+        if bucket.is_last():
+            record["new"] = {n: v.reshape(-1).tolist() for n, v in state.selection.acc.residual.items()}
+            record["chosen"] = list(state.last_chosen)
+            record["layers"] = state.selection.layers
+        return out
+    return fut.then(after)
+
+ddp.register_comm_hook(state, probe)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+for step in range(5):
+    opt.zero_grad()
+    x = torch.randn(8, 20, generator=g)
+    ddp(x).square().mean().backward()
+    opt.step()
+report(steps)
+finish()
+'''
+    results = run_ranks(3, code, tmp_path)
+    held_back = 0
+    for per_rank in zip(*results):
+        first = per_rank[0]
+        assert all(r["chosen"] == first["chosen"] for r in per_rank)
+        chosen = {n for i in first["chosen"] for n in first["layers"][i]}
+        assert len(first["grad"]) == 6 and len(first["chosen"]) == 1
+        for name in first["grad"]:
+            count = len(first["grad"][name])
+            zero = np.zeros(count)
+            lhs = sum(np.array(r["grad"][name]) + np.array(r["old"].get(name, zero)) for r in per_rank)
+            rhs = 3 * np.array(first["out"][name]) + sum(np.array(r["new"].get(name, zero))
+                                                         for r in per_rank)
+            np.testing.assert_allclose(lhs, rhs, rtol=1e-5, atol=1e-6)
+            for r in per_rank[1:]:
+                assert r["out"][name] == first["out"][name]
+            if name in chosen:
+                assert all(name not in r["new"] for r in per_rank)
+            else:
+                assert first["out"][name] == [0.0] * count
+                held_back += int(np.abs(np.array(first["new"][name])).sum() > 0)
+    assert held_back >= 8   # residuals really were held back
+
+
+def test_layer_selection_state_round_trip_continues_bit_identically(tmp_path):
+    code = RANK_PRELUDE + r'''
+import io
+from fusionring.selection import LayerSelection
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3))
+
+def data(step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 12, generator=g)
+
+def train(ddp, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        ddp(data(step)).square().mean().backward()
+        opt.step()
+
+def start(kind, model, ddp):
+    if kind == "hyper":
+        return hooks.LayerSelectionState(selection=LayerSelection.hyper(model, k=1), model=model)
+    if kind == "random":
+        return hooks.LayerSelectionState(selection=LayerSelection.random(k=1, seed=7),
+                                         model=ddp)
+    return hooks.LayerSelectionState(selection=LayerSelection.norm(k=1, max_wait=2), model=model)
+
+out = {}
+for kind in ("hyper", "random", "norm"):
+    model = net()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    state = start(kind, model, ddp)
+    ddp.register_comm_hook(state, hooks.layer_selection_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    train(ddp, opt, range(4))
+
+    pickled, plain, saved_opt = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    torch.save(state, pickled)
+    torch.save(state.state_dict(), plain)
+    torch.save(opt.state_dict(), saved_opt)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = state.keys()
+
+    def resume(make_state):
+        model2 = net()
+        model2.load_state_dict(saved_model)
+        ddp2 = DDP(model2, bucket_cap_mb=0.001)
+        hook_state = make_state(model2, ddp2)
+        ddp2.register_comm_hook(hook_state, hooks.layer_selection_hook)
+        opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.1, momentum=0.9)
+        saved_opt.seek(0)
+        opt2.load_state_dict(torch.load(saved_opt))
+        train(ddp2, opt2, range(4, 9))
+        return params(model2)
+
+    def from_pickle(model2, ddp2):
+        pickled.seek(0)
+        loaded = torch.load(pickled, weights_only=False)
+        assert loaded.keys() == keys
+        loaded.attach(model2)
+        return loaded
+
+    def from_dict(model2, ddp2):
+        plain.seek(0)
+        return hooks.LayerSelectionState.from_state_dict(torch.load(plain), model=ddp2)  # weights_only
+
+    resumed = {"pickle": resume(from_pickle), "state_dict": resume(from_dict)}
+    fresh = resume(lambda model2, ddp2: start(kind, model2, ddp2))
+    train(ddp, opt, range(4, 9))   # the run that was saved goes on
+    out[kind] = dict(straight=params(model), resumed=resumed, fresh=fresh, n_keys=len(keys))
+
+try:
+    hooks.LayerSelectionState(selection=LayerSelection.norm(k=2), model=net()).load_state_dict(
+        state.state_dict())
+    refused = ""
+except ValueError as exc:
+    refused = str(exc)
+out["refused"] = refused
+report(out)
+finish()
+'''
+    results = run_ranks(2, code, tmp_path, timeout=150)
+    for res in results:
+        for kind in ("hyper", "random", "norm"):
+            got = res[kind]
+            assert got["n_keys"] >= 2, kind   # residuals were saved
+            for how in ("pickle", "state_dict"):
+                assert got["resumed"][how] == got["straight"], (kind, how)
+            assert got["fresh"] != got["straight"], kind
+        assert "LayerSelectionState" in res["refused"] and "'k': 1" in res["refused"]
+    assert results[0]["norm"]["straight"] == results[1]["norm"]["straight"]
+
+
+def test_layer_selection_state_refuses_bad_arguments():
+    from fusionring.ddp import hooks
+    from fusionring.selection import LayerSelection
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="selection='best'"):
+        hooks.LayerSelectionState(selection="best", model=model)
+    with pytest.raises(ValueError, match="k=3"):
+        hooks.LayerSelectionState(selection=LayerSelection.norm(k=3), model=model)
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        hooks.LayerSelectionState(selection=LayerSelection.norm(fraction=1.5), model=model)
+    other = torch.nn.Linear(3, 4)
+    with pytest.raises(ValueError, match="other parameters"):
+        hooks.LayerSelectionState(selection=LayerSelection.hyper(model, k=1), model=other)
+    state = hooks.LayerSelectionState(selection="round_robin", model=model)
+    assert repr(state) == "LayerSelectionState(round_robin, fraction=0.25)"
+    assert state.selection.k == 1

@@ -282,8 +282,9 @@ def _meter_hook_modules() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from ..ddp import hooks as fusionring_hooks
+    from ..ddp import layer_selection
 
-    for module in (default_hooks, powerSGD_hook, fusionring_hooks):
+    for module in (default_hooks, powerSGD_hook, fusionring_hooks, layer_selection):
         if not isinstance(module.dist, _MeteredDistributed):
             module.dist = _MeteredDistributed(dist)
 
@@ -293,8 +294,9 @@ def _unmeter_hook_modules() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from ..ddp import hooks as fusionring_hooks
+    from ..ddp import layer_selection
 
-    for module in (default_hooks, powerSGD_hook, fusionring_hooks):
+    for module in (default_hooks, powerSGD_hook, fusionring_hooks, layer_selection):
         module.dist = dist
 
 
@@ -303,6 +305,9 @@ class DdpContender(Contender):
 
     bytes_sent: every tensor the hook passes to ``all_reduce`` (bucket buffers, fp16 copies, PowerSGD's
     uncompressed tensors, P and Q), times the ring volume 2(N-1)/N.
+
+    `state`: the hook's state, or a function of the model that builds it (a state that must know
+    the model's layers).
     """
 
     def __init__(self, ctx: BenchContext, hook, state=None, one_bucket_at_a_time: bool = False) -> None:
@@ -313,6 +318,8 @@ class DdpContender(Contender):
         self._meter = _AllreduceMeter()
         self.ddp = DistributedDataParallel(ctx.build_model())
         self.model = self.ddp.module
+        if callable(state):
+            state = state(self.model)
         meter = self._meter
         in_flight = []
 
@@ -382,6 +389,18 @@ def _ddp_nm24(ctx: BenchContext) -> Contender:
 
     # Its collective starts in the hook itself, never from a callback: no bucket-at-a-time needed.
     return DdpContender(ctx, hooks.nm_hook, hooks.NMState(n=2, m=4, values=torch.float16))
+
+
+@register_contender("ddp-layers", "torch DDP, gloo, fusionring.ddp.hooks.layer_selection_hook "
+                    "(norm, half the layers, max_wait 3)", missing=_gloo_missing)
+def _ddp_layers(ctx: BenchContext) -> Contender:
+    from ..ddp import hooks
+    from ..selection import LayerSelection
+
+    # Half of the MLP's layers per step (the largest gradient norm per element), none waiting
+    # more than 3 steps; one allreduce of the chosen layers after the last bucket.
+    return DdpContender(ctx, hooks.layer_selection_hook, lambda model: hooks.LayerSelectionState(
+        selection=LayerSelection.norm(fraction=0.5, max_wait=3), model=model))
 
 
 # ------------------------------------------------------------------------------ MPI's allreduce

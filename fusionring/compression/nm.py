@@ -464,6 +464,16 @@ class NMCompressor(Compressor):
             held, total = float(sums[2 * i]), float(sums[2 * i + 1])
             self.schedule.observe(state, held / total if total > 0 else 0.0)
 
+    def forget(self, names) -> None:
+        """Drop what is kept for tensors `names` (residual, mask estimate, step), in place.
+
+        Under the lock, in one go: a decode of another tensor running meanwhile (a DDP hook's
+        callback on gloo's thread) keeps its update, which a save-and-reload would lose."""
+        with self._lock:
+            for name in names:
+                self._tensors.pop(name, None)
+                self.memory.residuals.pop(name, None)
+
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict:
         schedule = None if self.schedule is None else self.schedule.describe()

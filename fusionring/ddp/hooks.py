@@ -27,7 +27,8 @@ from ..compression import AdaptiveSchedule, NMCompressor, StepSchedule
 from ..compression.nm_kernels import scatter
 from .state import HookState, bucket_key
 
-__all__ = ["HookState", "NMState", "nm_hook", "bucket_key"]
+__all__ = ["HookState", "NMState", "nm_hook", "LayerSelectionState", "layer_selection_hook",
+           "bucket_key"]
 
 
 def _schedule_from_description(described: Any) -> Union[None, StepSchedule, AdaptiveSchedule]:
@@ -90,11 +91,8 @@ class NMState(HookState):
         return list(self.codec_state()["tensors"])
 
     def forget(self, keys) -> None:
-        state = self.compressor.state_dict()
-        for key in keys:
-            state["tensors"].pop(key, None)
-            state["residuals"].pop(key, None)
-        self.compressor.load_state_dict(state)
+        # In place: the step's other buckets may be decoding on gloo's threads right now.
+        self.compressor.forget(keys)
 
     def __repr__(self) -> str:
         return f"NMState({self.compressor.name})"
@@ -139,3 +137,7 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         return buffer
 
     return future.then(decode_gathered)
+
+
+# Each further method lives in a file of its own (see the module docstring).
+from .layer_selection import LayerSelectionState, layer_selection_hook  # noqa: E402
