@@ -196,13 +196,15 @@ void fit(const float* x, std::size_t count, const ClusterConfig& c, std::uint64_
   }
 }
 
-// Sum and count of one bucket in one lane. Value i accumulates into lane i % 8, in element
-// order, and the lanes are added in order 0..7: the portable and vector paths add the same
-// numbers in the same order, so they give the same bits.
+// Sum and count of one bucket in one lane. Value i accumulates into lane i % 16, in element
+// order, and the lanes are added in order 0..15: the portable and vector paths add the same
+// numbers in the same order, so they give the same bits. Sixteen lanes because most values
+// fall in a few busy buckets: a lane's next add to the same bucket comes two vector steps
+// later, after its previous store has landed, instead of waiting on it.
 struct Acc {
   double sum, count;
 };
-constexpr int kLanes = 8;
+constexpr int kLanes = 16;
 
 inline int id_scalar(const Model& m, float x) {
   return static_cast<int>(std::lower_bound(m.bounds, m.bounds + m.k - 1, x) - m.bounds);
@@ -252,109 +254,140 @@ void decode_scalar(const std::uint8_t* ids, std::size_t begin, std::size_t count
 }
 
 #if FR_CQ_X86
-// k <= 16 (ids of at most 4 bits): 8 values a step; 8 ids fill exactly `bits` bytes.
-FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& m, int bits,
-                                std::uint8_t* ids, Acc* acc, std::size_t B) {
-  alignas(32) std::uint32_t nb[16] = {}, off[16] = {};
-  for (int j = 0; j < m.k; ++j) {
-    nb[j] = m.nb[j];
-    off[j] = m.off[j];
+// Each cluster's first bucket and bucket count in one 32-bit word (off << 16 | nb; both
+// fit 16 bits as B <= 65535), so one table lookup per lane serves both. k <= 16: two
+// registers, picked by id > 7.
+struct PackedTable {
+  __m256i lo, hi;
+};
+
+FR_AVX2 inline PackedTable packed_table(const std::uint32_t* nb, const std::uint32_t* off, int k) {
+  alignas(32) std::uint32_t t[16] = {};
+  for (int j = 0; j < k; ++j) t[j] = (off[j] << 16) | nb[j];
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(t)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(t + 8))};
+}
+
+// Buckets of 8 values with cluster ids `id` at indices `index`.
+template <int BITS>
+FR_AVX2 inline __m256i buckets8(const PackedTable& table, __m256i id, __m256i index) {
+  __m256i entry = _mm256_permutevar8x32_epi32(table.lo, id);
+  if (BITS == 4) {
+    entry = _mm256_blendv_epi8(entry, _mm256_permutevar8x32_epi32(table.hi, id),
+                               _mm256_cmpgt_epi32(id, _mm256_set1_epi32(7)));
   }
-  const __m256i nb_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(nb));
-  const __m256i nb_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(nb + 8));
-  const __m256i off_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(off));
-  const __m256i off_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(off + 8));
-  const __m256i seven = _mm256_set1_epi32(7);
-  const __m256i golden = _mm256_set1_epi32(static_cast<int>(kGolden));
-  const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                            _mm256_set1_epi32(bits));
-  __m256 bound[15];
-  const int nbounds = m.k - 1;
-  for (int j = 0; j < nbounds; ++j) bound[j] = _mm256_set1_ps(m.bounds[j]);
+  const __m256i h = _mm256_srli_epi32(
+      _mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kGolden))), 16);
+  const __m256i nb = _mm256_and_si256(entry, _mm256_set1_epi32(0xFFFF));
+  return _mm256_add_epi32(_mm256_srli_epi32(entry, 16),
+                          _mm256_srli_epi32(_mm256_mullo_epi32(h, nb), 16));
+}
+
+// Cluster ids of 8 values: a branchless binary search over the boundaries padded with +inf
+// to 2^BITS - 1 (so #{boundary < x}, as the portable loop counts). Level L tests one of 2^L
+// candidate boundaries per lane; up to 4 candidates are picked by an in-lane permute (cheap
+// everywhere), 8 by two of them and a blend.
+template <int BITS>
+struct IdSearch {
+  __m256 level[BITS + 1];  // candidates of each level, replicated in both 128-bit halves
+  FR_AVX2 explicit IdSearch(const Model& m) {
+    float b[16];
+    for (int j = 0; j < 15; ++j) b[j] = j < m.k - 1 ? m.bounds[j] : INFINITY;
+    int slot = 0;
+    for (int L = 0; L < BITS; ++L) {
+      const int step = 1 << (BITS - 1 - L);
+      float c[8] = {};
+      for (int n = 0; n < (1 << L); ++n) c[n] = b[n * 2 * step + step - 1];
+      if (L < 3) {
+        level[slot++] = _mm256_setr_ps(c[0], c[1], c[2], c[3], c[0], c[1], c[2], c[3]);
+      } else {
+        level[slot++] = _mm256_setr_ps(c[0], c[1], c[2], c[3], c[0], c[1], c[2], c[3]);
+        level[slot++] = _mm256_setr_ps(c[4], c[5], c[6], c[7], c[4], c[5], c[6], c[7]);
+      }
+    }
+  }
+  FR_AVX2 __m256i operator()(__m256 v) const {
+    __m256i id = _mm256_setzero_si256();
+    int slot = 0;
+    for (int L = 0; L < BITS; ++L) {
+      const int step = 1 << (BITS - 1 - L);
+      const __m256i which = _mm256_srli_epi32(id, BITS - L);  // candidate number 0..2^L-1
+      __m256 c = _mm256_permutevar_ps(level[slot++], which);
+      if (L == 3) {
+        c = _mm256_blendv_ps(c, _mm256_permutevar_ps(level[slot++], which),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(id, 28)));
+      }
+      const __m256i hit = _mm256_castps_si256(_mm256_cmp_ps(c, v, _CMP_LT_OQ));
+      id = _mm256_or_si256(id, _mm256_and_si256(hit, _mm256_set1_epi32(step)));
+    }
+    return id;
+  }
+};
+
+// k <= 16 (ids of BITS <= 4 bits): 8 values a step; 8 ids fill exactly BITS bytes.
+// The ids and buckets are computed in vector registers; the sums are added one lane at a time
+// (a scatter into a small table).
+template <int BITS>
+FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& m,
+                                std::uint8_t* ids, Acc* acc, std::size_t B) {
+  constexpr int bits = BITS;
+  const PackedTable table = packed_table(m.nb, m.off, m.k);
+  const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
+                                           6 * bits, 7 * bits);
+  const IdSearch<BITS> search(m);
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
   alignas(32) std::uint32_t bucket[8];
+  alignas(32) double value[8];
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    __m256i id = _mm256_setzero_si256();
-    for (int j = 0; j < nbounds; ++j) {
-      id = _mm256_sub_epi32(id, _mm256_castps_si256(_mm256_cmp_ps(bound[j], v, _CMP_LT_OQ)));
-    }
-    const __m256i hi = _mm256_cmpgt_epi32(id, seven);
-    const __m256i nbv = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(nb_lo, id),
-                                           _mm256_permutevar8x32_epi32(nb_hi, id), hi);
-    const __m256i offv = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(off_lo, id),
-                                            _mm256_permutevar8x32_epi32(off_hi, id), hi);
-    const __m256i h = _mm256_srli_epi32(_mm256_mullo_epi32(index, golden), 16);
-    const __m256i b = _mm256_add_epi32(offv, _mm256_srli_epi32(_mm256_mullo_epi32(h, nbv), 16));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), b);
+    const __m256i id = search(v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), buckets8<BITS>(table, id, index));
     index = _mm256_add_epi32(index, eight);
-
-    // The values as doubles, two lanes at a time, each added with its count of one.
-    const __m256d d_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-    const __m256d d_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    const __m128d one = _mm_set_sd(1.0);
-    const __m128d pairs[8] = {
-        _mm_unpacklo_pd(_mm256_castpd256_pd128(d_lo), one),
-        _mm_unpacklo_pd(_mm_unpackhi_pd(_mm256_castpd256_pd128(d_lo), one), one),
-        _mm_unpacklo_pd(_mm256_extractf128_pd(d_lo, 1), one),
-        _mm_unpacklo_pd(_mm_unpackhi_pd(_mm256_extractf128_pd(d_lo, 1), one), one),
-        _mm_unpacklo_pd(_mm256_castpd256_pd128(d_hi), one),
-        _mm_unpacklo_pd(_mm_unpackhi_pd(_mm256_castpd256_pd128(d_hi), one), one),
-        _mm_unpacklo_pd(_mm256_extractf128_pd(d_hi, 1), one),
-        _mm_unpacklo_pd(_mm_unpackhi_pd(_mm256_extractf128_pd(d_hi, 1), one), one)};
+    _mm256_store_pd(value, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    _mm256_store_pd(value + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    Acc* lanes = acc + (i & 8) * B;
     for (int lane = 0; lane < 8; ++lane) {
-      double* a = &acc[static_cast<std::size_t>(lane) * B + bucket[lane]].sum;
-      _mm_storeu_pd(a, _mm_add_pd(_mm_loadu_pd(a), pairs[lane]));
+      Acc& a = lanes[static_cast<std::size_t>(lane) * B + bucket[lane]];
+      a.sum += value[lane];
+      a.count += 1.0;
     }
-
     // Pack the 8 ids: lane l shifted by l * bits, OR-ed together (the bits are disjoint).
     const __m256i packed = _mm256_sllv_epi32(id, shifts);
     __m128i w = _mm_or_si128(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
     w = _mm_or_si128(w, _mm_shuffle_epi32(w, 0x4E));
     w = _mm_or_si128(w, _mm_shuffle_epi32(w, 0xB1));
     const std::uint32_t word = static_cast<std::uint32_t>(_mm_cvtsi128_si32(w));
-    std::memcpy(ids + (i / 8) * static_cast<std::size_t>(bits), &word, static_cast<std::size_t>(bits));
+    std::memcpy(ids + (i / 8) * bits, &word, bits);
   }
   return i;
 }
 
-template <int Mode>
-FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count, int bits,
-                                const std::uint32_t* nb_in, const std::uint32_t* off_in, int k,
+// The buckets are computed in vector registers; the means are read one lane at a time (a
+// table lookup, cheaper than a gather on the CPUs this runs on).
+template <int Mode, int BITS>
+FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
+                                const std::uint32_t* nb, const std::uint32_t* off, int k,
                                 const float* means, const float* x, float* out) {
-  alignas(32) std::uint32_t nb[16] = {}, off[16] = {};
-  for (int j = 0; j < k; ++j) {
-    nb[j] = nb_in[j];
-    off[j] = off_in[j];
-  }
-  const __m256i nb_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(nb));
-  const __m256i nb_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(nb + 8));
-  const __m256i off_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(off));
-  const __m256i off_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(off + 8));
-  const __m256i seven = _mm256_set1_epi32(7);
-  const __m256i golden = _mm256_set1_epi32(static_cast<int>(kGolden));
-  const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                            _mm256_set1_epi32(bits));
+  constexpr int bits = BITS;
+  const PackedTable table = packed_table(nb, off, k);
+  const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
+                                           6 * bits, 7 * bits);
   const __m256i idmask = _mm256_set1_epi32((1 << bits) - 1);
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
+  alignas(32) std::uint32_t b[8];
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
     std::uint32_t word = 0;
-    std::memcpy(&word, ids + (i / 8) * static_cast<std::size_t>(bits), static_cast<std::size_t>(bits));
+    std::memcpy(&word, ids + (i / 8) * bits, bits);
     const __m256i id = _mm256_and_si256(
         _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), idmask);
-    const __m256i hi = _mm256_cmpgt_epi32(id, seven);
-    const __m256i nbv = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(nb_lo, id),
-                                           _mm256_permutevar8x32_epi32(nb_hi, id), hi);
-    const __m256i offv = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(off_lo, id),
-                                            _mm256_permutevar8x32_epi32(off_hi, id), hi);
-    const __m256i h = _mm256_srli_epi32(_mm256_mullo_epi32(index, golden), 16);
-    const __m256i b = _mm256_add_epi32(offv, _mm256_srli_epi32(_mm256_mullo_epi32(h, nbv), 16));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), buckets8<BITS>(table, id, index));
     index = _mm256_add_epi32(index, eight);
-    const __m256 v = _mm256_i32gather_ps(means, b, 4);
+    const __m256 v = _mm256_setr_ps(means[b[0]], means[b[1]], means[b[2]], means[b[3]],
+                                    means[b[4]], means[b[5]], means[b[6]], means[b[7]]);
     if (Mode == 0) _mm256_storeu_ps(out + i, v);
     if (Mode == 1) _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), v));
     if (Mode == 2) _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), v));
@@ -402,8 +435,15 @@ void decode_block(const void* payload, std::size_t count, const ClusterConfig& c
   const auto* ids = static_cast<const std::uint8_t*>(payload) + l.ids_offset;
   std::size_t i = 0;
 #if FR_CQ_X86
-  if (use_level() >= 1 && c.k <= 16) {
-    i = decode_avx2<Mode>(ids, count, l.bits, t.nb, t.off, c.k, t.means.data(), x, out);
+  if (use_level() >= 1) {
+    const float* means = t.means.data();
+    switch (l.bits) {
+      case 1: i = decode_avx2<Mode, 1>(ids, count, t.nb, t.off, c.k, means, x, out); break;
+      case 2: i = decode_avx2<Mode, 2>(ids, count, t.nb, t.off, c.k, means, x, out); break;
+      case 3: i = decode_avx2<Mode, 3>(ids, count, t.nb, t.off, c.k, means, x, out); break;
+      case 4: i = decode_avx2<Mode, 4>(ids, count, t.nb, t.off, c.k, means, x, out); break;
+      default: break;  // k > 16: the portable loop
+    }
   }
 #endif
   decode_scalar<Mode>(ids, i, count, l.bits, t.nb, t.off, t.means.data(), x, out);
@@ -466,7 +506,15 @@ void cluster_encode(const float* x, std::size_t count, const ClusterConfig& c, s
   std::vector<Acc> acc(static_cast<std::size_t>(kLanes) * B, Acc{0.0, 0.0});
   std::size_t i = 0;
 #if FR_CQ_X86
-  if (use_level() >= 1 && c.k <= 16) i = insert_avx2(x, count, m, l.bits, ids, acc.data(), B);
+  if (use_level() >= 1) {
+    switch (l.bits) {
+      case 1: i = insert_avx2<1>(x, count, m, ids, acc.data(), B); break;
+      case 2: i = insert_avx2<2>(x, count, m, ids, acc.data(), B); break;
+      case 3: i = insert_avx2<3>(x, count, m, ids, acc.data(), B); break;
+      case 4: i = insert_avx2<4>(x, count, m, ids, acc.data(), B); break;
+      default: break;  // k > 16: the portable loop
+    }
+  }
 #endif
   insert_scalar(x, i, count, m, l.bits, ids, acc.data(), B);
 

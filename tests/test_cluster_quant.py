@@ -127,14 +127,14 @@ def ref_encode(x: np.ndarray, k: int, sample: int, buckets: int, values: torch.d
     ids = np.searchsorted(b, x, side="left").astype(np.int64)  # #{boundary < x}
     ids[np.isnan(x)] = 0
     bucket = ref_buckets(count, ids, nb)
-    # Lane i % 8 accumulates in element order, lanes added in order (as the kernels do).
+    # Lane i % 16 accumulates in element order, lanes added in order (as the kernels do).
     sums = np.zeros(buckets)
     counts = np.zeros(buckets)
     lane_sums = []
-    for lane in range(8):
+    for lane in range(16):
         ls, lc = np.zeros(buckets), np.zeros(buckets)
-        np.add.at(ls, bucket[lane::8], x[lane::8].astype(np.float64))
-        np.add.at(lc, bucket[lane::8], 1.0)
+        np.add.at(ls, bucket[lane::16], x[lane::16].astype(np.float64))
+        np.add.at(lc, bucket[lane::16], 1.0)
         lane_sums.append((ls, lc))
     for ls, lc in lane_sums:
         sums = sums + ls
