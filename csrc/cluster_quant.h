@@ -42,7 +42,7 @@ constexpr int kClusterEntropyBins = 8;
 struct ClusterConfig {
   int k = 16;                         // clusters: 2..256
   std::size_t sample = 4096;          // sampled values for K-means: >= 1
-  std::size_t buckets = 64;           // total buckets per block: k..65535
+  std::size_t buckets = 16;           // total buckets per block: k..65535
   DType values = DType::kFloat32;     // how bucket means travel: float32, float16, bfloat16
 };
 

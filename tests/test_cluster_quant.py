@@ -311,7 +311,7 @@ def test_defaults_and_registration():
     c = Compression.cluster()
     assert isinstance(c, ClusterCompressor)
     assert (c.k, c.sample, c.buckets, c.values, c.error_feedback, c.seed) == (
-        16, 4096, 64, torch.float32, True, 0)
+        16, 4096, 16, torch.float32, True, 0)
     import fusionring.torch as hvd
     assert hvd.Compression.cluster is Compression.cluster
 
@@ -321,7 +321,7 @@ def test_compress_decompress_round_trip_matches_the_kernels():
     t = torch.from_numpy(gradient_like(30_000, seed=9)).reshape(300, 100)
     payload, ctx = c.compress(t, name="w")
     assert payload.dtype == torch.uint8 and payload.numel() == c.payload_bytes(t.numel())
-    body, _, _, decoded = ref_encode(t.numpy().reshape(-1), 16, 4096, 64, torch.float32,
+    body, _, _, decoded = ref_encode(t.numpy().reshape(-1), 16, 4096, 16, torch.float32,
                                      ref_stream(3, 0, 0))
     assert payload.numpy().tobytes() == body
     out = c.decompress(payload, ctx)
