@@ -324,10 +324,11 @@ struct IdSearch {
   }
 };
 
-// k <= 16 (ids of BITS <= 4 bits): 8 values a step; 8 ids fill exactly BITS bytes.
+// k <= 16 (ids of BITS <= 4 bits): 8 values a step; 8 ids fill exactly BITS bytes. With one
+// bucket per cluster (ONE) a value's bucket is its cluster id: no hash to compute.
 // The ids and buckets are computed in vector registers; the sums are added one lane at a time
 // (a scatter into a small table).
-template <int BITS>
+template <int BITS, bool ONE>
 FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& m,
                                 std::uint8_t* ids, Acc* acc, std::size_t B) {
   constexpr int bits = BITS;
@@ -343,7 +344,8 @@ FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& 
   for (; i + 8 <= count; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     const __m256i id = search(v);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), buckets8<BITS>(table, id, index));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket),
+                       ONE ? id : buckets8<BITS>(table, id, index));
     index = _mm256_add_epi32(index, eight);
     _mm256_store_pd(value, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
     _mm256_store_pd(value + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
@@ -365,8 +367,9 @@ FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& 
 }
 
 // The buckets are computed in vector registers; the means are read one lane at a time (a
-// table lookup, cheaper than a gather on the CPUs this runs on).
-template <int Mode, int BITS>
+// table lookup, cheaper than a gather on the CPUs this runs on). With one bucket per cluster
+// (ONE) the means sit in two registers and a permute reads them.
+template <int Mode, int BITS, bool ONE>
 FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
                                 const std::uint32_t* nb, const std::uint32_t* off, int k,
                                 const float* means, const float* x, float* out) {
@@ -378,16 +381,28 @@ FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
   alignas(32) std::uint32_t b[8];
+  alignas(32) float centre[16] = {};
+  if (ONE) std::copy(means, means + k, centre);
+  const __m256 centre_lo = _mm256_load_ps(centre), centre_hi = _mm256_load_ps(centre + 8);
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
     std::uint32_t word = 0;
     std::memcpy(&word, ids + (i / 8) * bits, bits);
     const __m256i id = _mm256_and_si256(
         _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), idmask);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(b), buckets8<BITS>(table, id, index));
-    index = _mm256_add_epi32(index, eight);
-    const __m256 v = _mm256_setr_ps(means[b[0]], means[b[1]], means[b[2]], means[b[3]],
-                                    means[b[4]], means[b[5]], means[b[6]], means[b[7]]);
+    __m256 v;
+    if (ONE) {
+      v = _mm256_permutevar8x32_ps(centre_lo, id);
+      if (BITS == 4) {
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(centre_hi, id),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(id, 28)));
+      }
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(b), buckets8<BITS>(table, id, index));
+      index = _mm256_add_epi32(index, eight);
+      v = _mm256_setr_ps(means[b[0]], means[b[1]], means[b[2]], means[b[3]], means[b[4]],
+                         means[b[5]], means[b[6]], means[b[7]]);
+    }
     if (Mode == 0) _mm256_storeu_ps(out + i, v);
     if (Mode == 1) _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), v));
     if (Mode == 2) _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), v));
@@ -437,13 +452,16 @@ void decode_block(const void* payload, std::size_t count, const ClusterConfig& c
 #if FR_CQ_X86
   if (use_level() >= 1) {
     const float* means = t.means.data();
+    const bool one = c.buckets == static_cast<std::size_t>(c.k);
+#define FR_CQ_DECODE(B, O) decode_avx2<Mode, B, O>(ids, count, t.nb, t.off, c.k, means, x, out)
     switch (l.bits) {
-      case 1: i = decode_avx2<Mode, 1>(ids, count, t.nb, t.off, c.k, means, x, out); break;
-      case 2: i = decode_avx2<Mode, 2>(ids, count, t.nb, t.off, c.k, means, x, out); break;
-      case 3: i = decode_avx2<Mode, 3>(ids, count, t.nb, t.off, c.k, means, x, out); break;
-      case 4: i = decode_avx2<Mode, 4>(ids, count, t.nb, t.off, c.k, means, x, out); break;
+      case 1: i = one ? FR_CQ_DECODE(1, true) : FR_CQ_DECODE(1, false); break;
+      case 2: i = one ? FR_CQ_DECODE(2, true) : FR_CQ_DECODE(2, false); break;
+      case 3: i = one ? FR_CQ_DECODE(3, true) : FR_CQ_DECODE(3, false); break;
+      case 4: i = one ? FR_CQ_DECODE(4, true) : FR_CQ_DECODE(4, false); break;
       default: break;  // k > 16: the portable loop
     }
+#undef FR_CQ_DECODE
   }
 #endif
   decode_scalar<Mode>(ids, i, count, l.bits, t.nb, t.off, t.means.data(), x, out);
@@ -507,13 +525,16 @@ void cluster_encode(const float* x, std::size_t count, const ClusterConfig& c, s
   std::size_t i = 0;
 #if FR_CQ_X86
   if (use_level() >= 1) {
+    const bool one = B == static_cast<std::size_t>(c.k);
+#define FR_CQ_INSERT(BITS, O) insert_avx2<BITS, O>(x, count, m, ids, acc.data(), B)
     switch (l.bits) {
-      case 1: i = insert_avx2<1>(x, count, m, ids, acc.data(), B); break;
-      case 2: i = insert_avx2<2>(x, count, m, ids, acc.data(), B); break;
-      case 3: i = insert_avx2<3>(x, count, m, ids, acc.data(), B); break;
-      case 4: i = insert_avx2<4>(x, count, m, ids, acc.data(), B); break;
+      case 1: i = one ? FR_CQ_INSERT(1, true) : FR_CQ_INSERT(1, false); break;
+      case 2: i = one ? FR_CQ_INSERT(2, true) : FR_CQ_INSERT(2, false); break;
+      case 3: i = one ? FR_CQ_INSERT(3, true) : FR_CQ_INSERT(3, false); break;
+      case 4: i = one ? FR_CQ_INSERT(4, true) : FR_CQ_INSERT(4, false); break;
       default: break;  // k > 16: the portable loop
     }
+#undef FR_CQ_INSERT
   }
 #endif
   insert_scalar(x, i, count, m, l.bits, ids, acc.data(), B);

@@ -230,6 +230,19 @@ def reconstruction(steps: int) -> list:
 
 
 # ---------------------------------------------------------------------- report
+def machine() -> str:
+    """The CPU's model name (and family/model numbers, which say its generation)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return (f"{info.get('model name', platform.machine())} (family {info.get('cpu family', '?')}, "
+            f"model {info.get('model', '?')}, {info.get('cpu MHz', '?')} MHz)")
+
+
 def load_average() -> str:
     try:
         return " / ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -249,7 +262,7 @@ def report_throughput(rows, args, path: Path) -> None:
     lines = [
         "## Kernel throughput (single thread)", "",
         f"Command: `python scripts/bench_cluster.py --only throughput --rounds {args.rounds}`. "
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared "
+        f"Machine: {machine()}, {os.cpu_count()} cores shared "
         f"with other work, load average {load_average()} (1/5/15 min) when it finished; "
         "AVX2 kernels. Values: Student-t(3) x 1e-3 (gradient-like tails). Rates are dense "
         "float32 input bytes per second; x = the kernel's rate over memcpy of the same bytes, "

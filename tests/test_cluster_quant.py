@@ -194,7 +194,8 @@ def gradient_like(count: int, seed: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("count", [1, 7, 8, 9, 100, 4096, 4097, 50_001])
-@pytest.mark.parametrize("k,buckets", [(16, 64), (4, 4), (5, 40), (2, 9), (32, 100), (256, 300)])
+@pytest.mark.parametrize("k,buckets", [(16, 64), (16, 16), (4, 4), (5, 40), (2, 9), (32, 100),
+                                       (256, 300)])
 def test_kernels_match_the_numpy_reference_bit_for_bit(kernel_path, count, k, buckets):
     x = gradient_like(count, seed=count + k)
     stream = _C.cluster_stream(3, 5, 11)
@@ -216,14 +217,17 @@ def test_16_bit_bucket_means_match_the_reference(kernel_path, values):
     np.testing.assert_array_equal(decode(payload, x.size, values=values).numpy(), ref_decoded)
 
 
-def test_vector_and_portable_paths_give_the_same_bits():
+@pytest.mark.parametrize("k,buckets", [(16, 64), (16, 16), (8, 8), (3, 3), (2, 5)])
+def test_vector_and_portable_paths_give_the_same_bits(k, buckets):
     x = gradient_like(100_003, seed=4)
     out = {}
     for level in (0, 1):
         _C.cluster_set_vector_level(level)
-        payload, _, res = encode(x, residual=True)
+        payload, _, res = encode(x, k=k, buckets=buckets, residual=True)
+        added = decode(payload, x.size, k=k, buckets=buckets, into=torch.ones(x.size))
         out[level] = (payload.numpy().tobytes(), res.numpy().tobytes(),
-                      decode(payload, x.size).numpy().tobytes())
+                      decode(payload, x.size, k=k, buckets=buckets).numpy().tobytes(),
+                      added.numpy().tobytes())
     _C.cluster_set_vector_level(1)
     assert out[0] == out[1]
 

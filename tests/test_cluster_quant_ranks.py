@@ -225,3 +225,44 @@ def test_distributed_optimizer_agrees_with_a_single_process_replay(tmp_path, ran
                 at += size
     for name, p in zip(names, got[0]["params"]):
         np.testing.assert_allclose(params[name], np.array(p, np.float32), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- hvd.allreduce
+ALLREDUCE_SCRIPT = '''
+import numpy as np, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+comp = hvd.Compression.cluster(k=8, sample=300, seed=11)
+rng = np.random.default_rng(r)
+rows = []
+for step in range(2):
+    x = torch.from_numpy(rng.standard_normal(10_000).astype(np.float32))
+    old = next(iter(comp.memory.residuals.values()), None)  # the one tensor's residual
+    before = {"input": x.tolist(), "position": comp.position,
+              "residual": (torch.zeros(10_000) if old is None else old).tolist()}
+    y = hvd.allreduce(x, name="x", op=hvd.Sum, compression=comp)
+    (new,) = comp.memory.residuals.values()
+    rows.append({**before, "out": y.tolist(), "new_residual": new.tolist()})
+errors = []
+try:
+    hvd.allreduce(torch.ones(10), name="bad", op=hvd.Max, compression=comp)
+except Exception as exc:
+    errors.append(f"{type(exc).__name__}: {exc}")
+report({"rows": rows, "errors": errors})
+'''
+
+
+def test_allreduce_with_the_compressor_sums_on_the_compressed_ring(tmp_path):
+    got = run_ranks(2, ALLREDUCE_SCRIPT, tmp_path, timeout=120)
+    for step in range(2):
+        rows = [g["rows"][step] for g in got]
+        want, want_res = replay_ring([np.array(row["input"], np.float32) for row in rows],
+                                     [np.array(row["residual"], np.float32) for row in rows],
+                                     k=8, sample=300, buckets=8, seed=11,
+                                     step=rows[0]["position"])
+        for row, res in zip(rows, want_res):
+            np.testing.assert_array_equal(np.array(row["out"], np.float32), want)
+            np.testing.assert_array_equal(np.array(row["new_residual"], np.float32), res)
+    for g in got:  # Max cannot be reduced by a quantizer: a clear error on every rank
+        assert len(g["errors"]) == 1 and "Compression.cluster" in g["errors"][0]
