@@ -338,21 +338,31 @@ FR_AVX2 std::size_t insert_avx2(const float* x, std::size_t count, const Model& 
   const IdSearch<BITS> search(m);
   __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
-  alignas(32) std::uint32_t bucket[8];
-  alignas(32) double value[8];
   std::size_t i = 0;
+  // The ids of the next 8 values are searched while this step adds the current ones: the
+  // search is a long dependency chain, and the adds need its result for their addresses.
+  __m256i next = count >= 8 ? search(_mm256_loadu_ps(x)) : _mm256_setzero_si256();
   for (; i + 8 <= count; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256i id = search(v);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket),
-                       ONE ? id : buckets8<BITS>(table, id, index));
+    const __m256i id = next;
+    if (i + 16 <= count) next = search(_mm256_loadu_ps(x + i + 8));
+    const __m256i b = ONE ? id : buckets8<BITS>(table, id, index);
     index = _mm256_add_epi32(index, eight);
-    _mm256_store_pd(value, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-    _mm256_store_pd(value + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    // Lane by lane: the bucket from the register, the value from the input (both without a
+    // round trip through memory just written).
     Acc* lanes = acc + (i & 8) * B;
+    const __m128i b_lo = _mm256_castsi256_si128(b), b_hi = _mm256_extracti128_si256(b, 1);
+    const std::uint32_t bs[8] = {
+        static_cast<std::uint32_t>(_mm_cvtsi128_si32(b_lo)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_lo, 1)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_lo, 2)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_lo, 3)),
+        static_cast<std::uint32_t>(_mm_cvtsi128_si32(b_hi)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_hi, 1)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_hi, 2)),
+        static_cast<std::uint32_t>(_mm_extract_epi32(b_hi, 3))};
     for (int lane = 0; lane < 8; ++lane) {
-      Acc& a = lanes[static_cast<std::size_t>(lane) * B + bucket[lane]];
-      a.sum += value[lane];
+      Acc& a = lanes[static_cast<std::size_t>(lane) * B + bs[lane]];
+      a.sum += static_cast<double>(x[i + static_cast<std::size_t>(lane)]);
       a.count += 1.0;
     }
     // Pack the 8 ids: lane l shifted by l * bits, OR-ed together (the bits are disjoint).
