@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "adasum.h"
+#include "cluster_quant.h"
+#include "compressed_ring.h"
 #include "dtype.h"
 #include "fusion_buffer.h"
 #include "nm_allreduce.h"
@@ -51,6 +53,16 @@ std::vector<BufferView> views_of(const std::vector<std::uintptr_t>& addresses,
   std::vector<BufferView> views(addresses.size());
   for (std::size_t i = 0; i < views.size(); ++i) views[i] = {addresses[i], bytes[i]};
   return views;
+}
+
+ClusterConfig cluster_config(int k, std::size_t sample, std::size_t buckets, int value_dtype) {
+  ClusterConfig config;
+  config.k = k;
+  config.sample = sample;
+  config.buckets = buckets;
+  config.values = dtype_from_int(value_dtype);
+  cluster_check(config);
+  return config;
 }
 
 class Communicator {
@@ -113,6 +125,30 @@ class Communicator {
       stats = fusionring::nm_allreduce(static_cast<float*>(as_pointer(address)), count,
                                        static_cast<float*>(as_pointer(residual)), transport_,
                                        options);
+    }
+    py::dict out;
+    out["bytes_sent"] = stats.bytes_sent;
+    out["bytes_received"] = stats.bytes_received;
+    return out;
+  }
+
+  // Cluster-quantized allreduce (cluster_quant.h) on the compressed ring; float32, sum.
+  py::dict cluster_allreduce(std::uintptr_t address, std::size_t count, int k, std::size_t sample,
+                             std::size_t buckets, int value_dtype, std::uint64_t seed,
+                             std::uint64_t step, std::uintptr_t residual, double prescale,
+                             double postscale, std::size_t segment_bytes) {
+    const ClusterConfig config = cluster_config(k, sample, buckets, value_dtype);
+    ClusterCodec codec(config, seed, step);
+    CompressedAllreduceOptions options;
+    options.prescale = prescale;
+    options.postscale = postscale;
+    options.segment_bytes = segment_bytes ? segment_bytes : options.segment_bytes;
+    CompressedAllreduceStats stats;
+    {
+      py::gil_scoped_release release;
+      stats = compressed_allreduce(static_cast<float*>(as_pointer(address)), count,
+                                   static_cast<float*>(as_pointer(residual)), transport_, codec,
+                                   options);
     }
     py::dict out;
     out["bytes_sent"] = stats.bytes_sent;
@@ -240,6 +276,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("segment_bytes") = 1 << 20,
            "In-place N:M-compressed sum of `count` float32 at `address` with per-rank masks "
            "(compressed reduce-scatter + allgather); returns {bytes_sent, bytes_received}.")
+      .def("cluster_allreduce", &Communicator::cluster_allreduce, py::arg("address"),
+           py::arg("count"), py::arg("k"), py::arg("sample"), py::arg("buckets"),
+           py::arg("value_dtype"), py::arg("seed"), py::arg("step"), py::arg("residual") = 0,
+           py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           py::arg("segment_bytes") = 1 << 20,
+           "In-place cluster-quantized sum of `count` float32 at `address` (compressed "
+           "reduce-scatter + allgather); returns {bytes_sent, bytes_received}.")
       .def("set_wait_policy", &Communicator::set_wait_policy, py::arg("spin_us"),
            py::arg("sleep_us"),
            "How waits for MPI requests behave: sleep_us 0 polls nonstop (MPI_Wait); else poll "
@@ -404,6 +447,47 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("estimate"), py::arg("wait"), py::arg("reduced"), py::arg("mask"), py::arg("count"),
       "Shared mask: sent elements take reduced / (1 + wait) and wait 0, others wait + 1.");
+  // Cluster-and-hash quantization (cluster_quant.h) of float32 blocks; `values` is a
+  // float32/float16/bfloat16 dtype code. GIL released in each call.
+  m.def(
+      "cluster_payload_bytes",
+      [](std::size_t count, int k, std::size_t sample, std::size_t buckets, int values) {
+        return cluster_payload_bytes(cluster_config(k, sample, buckets, values), count);
+      },
+      py::arg("count"), py::arg("k"), py::arg("sample"), py::arg("buckets"), py::arg("values"));
+  m.def("cluster_id_bits", &cluster_id_bits, py::arg("k"));
+  m.def("cluster_stream", &cluster_stream, py::arg("seed"), py::arg("step"), py::arg("at"),
+        "The stream seed of the block at `at` of step `step`.");
+  m.def(
+      "cluster_encode",
+      [](std::uintptr_t x, std::size_t count, int k, std::size_t sample, std::size_t buckets,
+         int values, std::uint64_t stream, std::uintptr_t payload, std::uintptr_t residual) {
+        const ClusterConfig config = cluster_config(k, sample, buckets, values);
+        ClusterEncodeInfo info;
+        {
+          py::gil_scoped_release release;
+          cluster_encode(static_cast<const float*>(as_pointer(x)), count, config, stream,
+                         as_pointer(payload), static_cast<float*>(as_pointer(residual)), &info);
+        }
+        return std::vector<float>(info.centres, info.centres + (count ? k : 0));
+      },
+      py::arg("x"), py::arg("count"), py::arg("k"), py::arg("sample"), py::arg("buckets"),
+      py::arg("values"), py::arg("stream"), py::arg("payload"), py::arg("residual") = 0,
+      "Encode `count` float32 into a payload; returns the K-means centres.");
+  m.def(
+      "cluster_decode",
+      [](std::uintptr_t payload, std::size_t count, int k, std::size_t sample,
+         std::size_t buckets, int values, std::uintptr_t out, bool add) {
+        const ClusterConfig config = cluster_config(k, sample, buckets, values);
+        py::gil_scoped_release release;
+        cluster_decode(as_pointer(payload), count, config, static_cast<float*>(as_pointer(out)),
+                       add);
+      },
+      py::arg("payload"), py::arg("count"), py::arg("k"), py::arg("sample"), py::arg("buckets"),
+      py::arg("values"), py::arg("out"), py::arg("add") = false,
+      "Decode a payload into `count` float32 at `out` (add=True: add into it).");
+  m.def("cluster_set_vector_level", &cluster_set_vector_level, py::arg("level"),
+        "Cluster kernels to use: 0 portable, 1 AVX2 (capped by the CPU); returns the level.");
   m.def("nm_set_vector_level", &nm_set_vector_level, py::arg("level"),
         "N:M kernels to use: 0 portable, 1 AVX2, 2 AVX-512 (capped by the CPU); returns the "
         "level in use.");

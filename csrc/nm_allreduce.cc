@@ -1,65 +1,47 @@
 #include "nm_allreduce.h"
 
-#include <algorithm>
-#include <cstdint>
-#include <vector>
-
-#include "chunking.h"
+#include "codec.h"
+#include "compressed_ring.h"
 #include "nm_sparse.h"
-#include "reduce.h"
 
 namespace fusionring {
 namespace {
 
-inline std::size_t mod(long long a, long long n) { return ring_mod(a, n); }
+// N:M with per-rank masks as a codec: a payload is [mask words][kept values][padding to 8
+// bytes]; chunks and segments are whole groups of M.
+class NmCodec : public Codec {
+ public:
+  NmCodec(int n, int m, DType values)
+      : n_(n), m_(m), values_(values), vsize_(element_size(values)) {}
 
-inline std::size_t round8(std::size_t bytes) { return (bytes + 7) / 8 * 8; }
+  std::size_t granule() const override { return static_cast<std::size_t>(m_); }
+  std::size_t payload_bytes(std::size_t count) const override {
+    const std::size_t bytes = nm_mask_words(count) * 8 + nm_kept_count(count, n_, m_) * vsize_;
+    return (bytes + 7) / 8 * 8;
+  }
+  void encode(const float* x, std::size_t count, std::size_t, void* payload,
+              float* residual) override {
+    auto* mask = static_cast<std::uint64_t*>(payload);
+    nm_compress(x, DType::kFloat32, count, n_, m_,
+                static_cast<char*>(payload) + nm_mask_words(count) * 8, values_, mask, residual);
+  }
+  void decode(const void* payload, std::size_t count, float* out) const override {
+    nm_scatter(values(payload, count), values_, mask(payload), count, out, DType::kFloat32);
+  }
+  void decode_add(const void* payload, std::size_t count, float* out) const override {
+    nm_scatter_add(values(payload, count), values_, mask(payload), count, out);
+  }
 
-// The layout of the buffer on the wire. Chunks are whole groups (the tail group, if any, is in
-// the last chunk); a chunk travels as segments of at most `segment` elements, each one
-// message [mask words][kept values][padding to 8 bytes], so a segment is decoded as soon as
-// it arrives. Sizes derive from counts only, so sender and receiver agree without asking.
-struct WireLayout {
-  std::size_t count, m, segment, vsize;
-  int n;
-  Chunking groups;
-
-  WireLayout(std::size_t count_, const NmAllreduceOptions& o, int parts)
-      : count(count_),
-        m(static_cast<std::size_t>(o.m)),
-        segment(std::max<std::size_t>(1, o.segment_bytes / (4 * static_cast<std::size_t>(o.m))) *
-                static_cast<std::size_t>(o.m)),
-        vsize(element_size(o.value_dtype)),
-        n(o.n),
-        groups((count_ + static_cast<std::size_t>(o.m) - 1) / static_cast<std::size_t>(o.m),
-               static_cast<std::size_t>(parts)) {}
-
-  std::size_t begin(std::size_t c) const { return std::min(groups.begin(c) * m, count); }
-  std::size_t end(std::size_t c) const {
-    return std::min((groups.begin(c) + groups.length(c)) * m, count);
+ private:
+  static const std::uint64_t* mask(const void* payload) {
+    return static_cast<const std::uint64_t*>(payload);
   }
-  std::size_t message_bytes(std::size_t len) const {
-    return round8(nm_mask_words(len) * 8 + nm_kept_count(len, n, static_cast<int>(m)) * vsize);
+  static const char* values(const void* payload, std::size_t count) {
+    return static_cast<const char*>(payload) + nm_mask_words(count) * 8;
   }
-  std::size_t chunk_bytes(std::size_t c) const {
-    std::size_t total = 0;
-    for_segments(c, [&](std::size_t, std::size_t, std::size_t len, std::size_t) {
-      total += message_bytes(len);
-    });
-    return total;
-  }
-  // fn(k, first element, elements, wire offset within the chunk's image)
-  template <typename Fn>
-  void for_segments(std::size_t c, Fn&& fn) const {
-    const std::size_t b = begin(c), e = end(c);
-    std::size_t wire = 0, k = 0;
-    for (std::size_t at = b; at < e; at += segment, ++k) {
-      const std::size_t len = std::min(segment, e - at);
-      const std::size_t bytes = message_bytes(len);
-      fn(k, at, len, wire);
-      wire += bytes;
-    }
-  }
+  int n_, m_;
+  DType values_;
+  std::size_t vsize_;
 };
 
 }  // namespace
@@ -68,123 +50,15 @@ NmAllreduceStats nm_allreduce(float* buf, std::size_t count, float* residual, Tr
                               const NmAllreduceOptions& o) {
   nm_check(o.n, o.m);
   nm_check_float(o.value_dtype, "N:M values");
+  NmCodec codec(o.n, o.m, o.value_dtype);
+  CompressedAllreduceOptions ring;
+  ring.prescale = o.prescale;
+  ring.postscale = o.postscale;
+  ring.segment_bytes = o.segment_bytes;
+  const CompressedAllreduceStats s = compressed_allreduce(buf, count, residual, t, codec, ring);
   NmAllreduceStats stats;
-  scale_in_place(buf, count, DType::kFloat32, o.prescale);
-  if (residual) reduce_into(buf, residual, count, DType::kFloat32, ReduceOp::kSum);
-  if (count == 0) return stats;
-
-  const int P = t.size();
-  const int r = t.rank();
-  const WireLayout layout(count, o, P);
-  const DType vt = o.value_dtype;
-
-  std::size_t slot_bytes = 0;
-  for (std::size_t c = 0; c < static_cast<std::size_t>(P); ++c) {
-    slot_bytes = std::max(slot_bytes, layout.chunk_bytes(c));
-  }
-  // P + 1 slots: the reduce-scatter's P-1 outgoing images and two incoming ones; afterwards
-  // slot c holds chunk c for the allgather. uint64_t storage keeps every mask 8-byte aligned.
-  std::vector<std::uint64_t> storage((static_cast<std::size_t>(P) + 1) * slot_bytes / 8);
-  auto slot = [&](std::size_t i) {
-    return reinterpret_cast<char*>(storage.data()) + i * slot_bytes;
-  };
-
-  auto compress_into = [&](char* image, std::size_t at, std::size_t len) {
-    auto* mask = reinterpret_cast<std::uint64_t*>(image);
-    nm_compress(buf + at, DType::kFloat32, len, o.n, o.m, image + nm_mask_words(len) * 8, vt, mask,
-                residual ? residual + at : nullptr);
-  };
-  auto decode_from = [&](const char* image, std::size_t at, std::size_t len, bool add) {
-    const auto* mask = reinterpret_cast<const std::uint64_t*>(image);
-    const char* values = image + nm_mask_words(len) * 8;
-    if (add) {
-      nm_scatter_add(values, vt, mask, len, buf + at);
-    } else {
-      nm_scatter(values, vt, mask, len, buf + at, DType::kFloat32);
-    }
-  };
-  auto send = [&](const char* image, std::size_t len, int peer) {
-    const std::size_t bytes = layout.message_bytes(len);
-    stats.bytes_sent += bytes;
-    t.isend(image, bytes, peer);
-  };
-
-  if (P == 1) {
-    layout.for_segments(0, [&](std::size_t, std::size_t at, std::size_t len, std::size_t wire) {
-      compress_into(slot(0) + wire, at, len);
-      decode_from(slot(0) + wire, at, len, false);
-    });
-    scale_in_place(buf, count, DType::kFloat32, o.postscale);
-    return stats;
-  }
-
-  const int right = (r + 1) % P;
-  const int left = (r - 1 + P) % P;
-
-  // ---- reduce-scatter: after P-1 steps rank r holds the dense sum of chunk (r+1) mod P.
-  std::vector<std::vector<Transport::Request>> recv_reqs(2);
-  auto incoming = [&](int step) { return slot(static_cast<std::size_t>(P - 1 + step % 2)); };
-  auto post_reduce_scatter_recvs = [&](int step) {
-    const std::size_t c = mod(r - step - 1, P);
-    auto& reqs = recv_reqs[static_cast<std::size_t>(step % 2)];
-    reqs.clear();
-    layout.for_segments(c, [&](std::size_t, std::size_t, std::size_t len, std::size_t wire) {
-      const std::size_t bytes = layout.message_bytes(len);
-      stats.bytes_received += bytes;
-      reqs.push_back(t.irecv(incoming(step) + wire, bytes, left));
-    });
-  };
-
-  layout.for_segments(static_cast<std::size_t>(r),
-                      [&](std::size_t, std::size_t at, std::size_t len, std::size_t wire) {
-                        compress_into(slot(0) + wire, at, len);
-                        send(slot(0) + wire, len, right);
-                      });
-  post_reduce_scatter_recvs(0);
-  for (int s = 0; s < P - 1; ++s) {
-    if (s + 1 < P - 1) post_reduce_scatter_recvs(s + 1);
-    const std::size_t c = mod(r - s - 1, P);
-    const bool forward = s + 1 < P - 1;  // this chunk is what we send at step s+1
-    layout.for_segments(c, [&](std::size_t k, std::size_t at, std::size_t len, std::size_t wire) {
-      t.wait(recv_reqs[static_cast<std::size_t>(s % 2)][k]);
-      decode_from(incoming(s) + wire, at, len, true);
-      if (forward) {
-        char* out = slot(static_cast<std::size_t>(s + 1)) + wire;
-        compress_into(out, at, len);
-        send(out, len, right);
-      }
-    });
-  }
-  t.wait_all();
-
-  // ---- allgather of compressed chunks: the owner compresses its sum once and decodes its own
-  // image, so every rank's result comes from the same bytes.
-  const std::size_t own = mod(r + 1, P);
-  std::vector<std::vector<Transport::Request>> ag_reqs(static_cast<std::size_t>(P - 1));
-  for (int s = 0; s < P - 1; ++s) {
-    const std::size_t c = mod(r - s, P);
-    layout.for_segments(c, [&](std::size_t, std::size_t, std::size_t len, std::size_t wire) {
-      const std::size_t bytes = layout.message_bytes(len);
-      stats.bytes_received += bytes;
-      ag_reqs[static_cast<std::size_t>(s)].push_back(t.irecv(slot(c) + wire, bytes, left));
-    });
-  }
-  layout.for_segments(own, [&](std::size_t, std::size_t at, std::size_t len, std::size_t wire) {
-    compress_into(slot(own) + wire, at, len);
-    send(slot(own) + wire, len, right);
-    decode_from(slot(own) + wire, at, len, false);
-  });
-  for (int s = 0; s < P - 1; ++s) {
-    const std::size_t c = mod(r - s, P);
-    const bool forward = s + 1 < P - 1;
-    layout.for_segments(c, [&](std::size_t k, std::size_t at, std::size_t len, std::size_t wire) {
-      t.wait(ag_reqs[static_cast<std::size_t>(s)][k]);
-      if (forward) send(slot(c) + wire, len, right);
-      decode_from(slot(c) + wire, at, len, false);
-    });
-  }
-  t.wait_all();
-  scale_in_place(buf, count, DType::kFloat32, o.postscale);
+  stats.bytes_sent = s.bytes_sent;
+  stats.bytes_received = s.bytes_received;
   return stats;
 }
 

@@ -24,7 +24,7 @@ struct NmAllreduceStats {
 };
 
 // In-place sum of `count` float32 values at `buf` over all ranks, moving only N:M-compressed
-// data (values + mask) around the ring:
+// data (values + mask) around the compressed ring (compressed_ring.h, with the N:M codec):
 //   * reduce-scatter: each hop unpacks the incoming chunk, adds it to this rank's own values,
 //     selects N of every M again and sends that on; what the selection drops stays here;
 //   * the owner of each reduced chunk selects N of M once more and the compressed chunks are

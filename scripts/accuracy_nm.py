@@ -53,12 +53,15 @@ def load(seed: int):
     return x[order[:split]], y[order[:split]], x[order[split:]], y[order[split:]]
 
 
-def train(kwargs, seed: int, epochs: int, per_rank_batch: int, lr: float):
+def train(kwargs, seed: int, epochs: int, per_rank_batch: int, lr: float, method=None):
+    """Accuracy, payload/dense ratio and steps of one run; `method` builds the compressor from
+    `kwargs` (default Compression.nm; None kwargs: dense)."""
     x_train, y_train, x_test, y_test = load(seed)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 10))
-    compression = hvd.Compression.none if kwargs is None else hvd.Compression.nm(**kwargs)
+    method = method or hvd.Compression.nm
+    compression = hvd.Compression.none if kwargs is None else method(**kwargs)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                    named_parameters=model.named_parameters(),
                                    compression=compression, groups=1)

@@ -157,3 +157,10 @@ def test_one_format_bytes_serves_benchmarks_and_plans():
     assert [units.format_bytes(n) for n in (100, 4096, 1.25 * 2 ** 20)] == ["100 B", "4 KiB",
                                                                           "1.25 MiB"]
     assert plan.format_bytes(1536) == "1.50 KiB" and plan.format_bytes(3 << 30) == "3.00 GiB"
+
+
+def test_cluster_contender_is_listed_when_the_build_has_it():
+    import fusionring.torch as hvd
+
+    assert (("fusionring-cluster" in bench.available_contenders())
+            == hasattr(hvd.Compression, "cluster"))

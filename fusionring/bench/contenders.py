@@ -244,6 +244,24 @@ def _fusionring_nm24(ctx: BenchContext) -> Contender:
     return FusionringContender(ctx, hvd.Compression.nm(n=2, m=4, values=torch.float16))
 
 
+def _cluster_missing() -> Optional[str]:
+    reason = _fusionring_missing()
+    if reason:
+        return reason
+    import fusionring.torch as hvd
+
+    return None if hasattr(hvd.Compression, "cluster") else "this build has no Compression.cluster"
+
+
+@register_contender("fusionring-cluster",
+                    "fusionring DistributedOptimizer, Compression.cluster(k=16) (4-bit ids, error feedback)",
+                    missing=_cluster_missing)
+def _fusionring_cluster(ctx: BenchContext) -> Contender:
+    import fusionring.torch as hvd
+
+    return FusionringContender(ctx, hvd.Compression.cluster(k=16))
+
+
 # ------------------------------------------------------------------------------ DDP over gloo
 
 class _AllreduceMeter:

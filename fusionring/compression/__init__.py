@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from .base import (Capabilities, Compression, Compressor, Memory, capabilities, describe,
                    lookup_compressor, register_compressor, registered_compressors)
+from .cluster import ClusterCompressor
 from .fp16 import FP16Compressor
 from .nm import AdaptiveSchedule, NMCompressor, StepSchedule
 from .none import NoneCompressor
 
 __all__ = ["Compression", "Compressor", "Memory", "Capabilities", "capabilities", "describe",
            "register_compressor", "registered_compressors", "lookup_compressor",
-           "NoneCompressor", "FP16Compressor", "NMCompressor", "StepSchedule", "AdaptiveSchedule"]
+           "NoneCompressor", "FP16Compressor", "ClusterCompressor", "NMCompressor", "StepSchedule", "AdaptiveSchedule"]
