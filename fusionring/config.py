@@ -117,6 +117,10 @@ class Settings:
     # every peer is remote).
     mpi_wait: str = "auto"
     mpi_wait_sleep_us: int = 1000
+    # "auto" on one host polls nonstop this long before it naps as "sleep" does: waits for a
+    # peer that is about to answer stay as short as spinning, while a rank blocked on a late
+    # peer (or an idle runtime) stops costing a core.
+    mpi_wait_spin_us: int = 250
     # torch's intra-op threads per rank: "auto" lowers them at init() to the rank's share of
     # the host's cores when ranks would otherwise oversubscribe them (unless OMP_NUM_THREADS
     # or MKL_NUM_THREADS says otherwise); "off" leaves torch alone; a number sets it.
@@ -148,6 +152,7 @@ def _from_environment() -> Settings:
         shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
         mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
+        mpi_wait_spin_us=_read("MPI_WAIT_SPIN_US", d.mpi_wait_spin_us, _count),
         torch_threads=_read("TORCH_THREADS", d.torch_threads, _threads),
         cache_capacity=_read("CACHE_CAPACITY", d.cache_capacity, _count),
     )

@@ -26,9 +26,9 @@ from .allreduce import (AllreduceOps, CompressedAllreduce, RingAllreduce, Shared
                         lane)
 from .collectives import MpiCollectives
 from .requests import Request, Stats
-from .topology import HostLayout, wait_mode, wants_shared_memory, warn_unless_thread_multiple
+from .topology import (HostLayout, wait_mode, wait_policy, wants_shared_memory,
+                       warn_unless_thread_multiple)
 
-_SPIN_BEFORE_SLEEP_US = 100  # a reply that comes this soon is caught without a nap
 _QUIET_CYCLES_BEFORE_BACKOFF = 50
 _QUIET_BACKOFF = 10
 # With nothing in flight on any rank, a loop waits this long for a submission of its own
@@ -69,9 +69,10 @@ class Runtime:
         self._core = _C.Communicator(MPI._handleof(self._data_comm))
         control_core = _C.Communicator(MPI._handleof(self._control_comm))
         self.mpi_wait = wait_mode(self.config, self.layout)
-        if self.mpi_wait == "sleep":
+        spin_us, sleep_us = wait_policy(self.config, self.layout)
+        if sleep_us > 0:
             for core in (self._core, control_core):
-                core.set_wait_policy(_SPIN_BEFORE_SLEEP_US, self.config.mpi_wait_sleep_us)
+                core.set_wait_policy(spin_us, sleep_us)
         self._shm = (_C.SharedMemoryAllreduce(MPI._handleof(self._data_comm),
                                               self.config.shm_slot_bytes)
                      if wants_shared_memory(self.config, self.layout) else None)
@@ -371,6 +372,12 @@ class Runtime:
                 # be agreed before then anyway.
                 everyone_idle = ((outcome.all_idle or outcome.settled) and not held
                                  and self._join_request is None)
+                # Likewise with nothing of ours in flight and no caller of ours blocked, even
+                # while a peer waits for us: what it waits for is our submission, and that
+                # starts our next cycle at once. Cycling on a timer meanwhile only made every
+                # rank pay a round per millisecond for as long as the late rank took.
+                nothing_here = (not held and not ready and self._join_request is None
+                                and not self._caller_waiting())
                 if ready or not self._pending:
                     self._eager_since = None
                 elif self._caller_waiting():
@@ -383,7 +390,8 @@ class Runtime:
                         self._eager_since = now
                     if now - self._eager_since < _EAGER_ROUNDS_S:
                         continue
-                self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle else cycle_s)
+                self._idle(started, _ALL_IDLE_WAIT_S if everyone_idle or nothing_here
+                           else cycle_s)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
                                                   f"{self.rank}: {exc}"))
