@@ -83,6 +83,9 @@ def _from_bytes(buffer: np.ndarray, offset: int, dtype: str, shape: Tuple[int, .
     dt = _DTYPES[dtype]
     count = int(np.prod(shape)) if shape else 1
     nbytes = count * torch.empty((), dtype=dt).element_size()
+    if offset + nbytes > buffer.size:
+        raise ValueError(f"a buffer of {buffer.size} bytes ends before a {dtype} tensor of shape {list(shape)} "
+                         f"at byte {offset}")
     raw = torch.from_numpy(buffer[offset:offset + nbytes].copy())
     return raw.view(dt).reshape(shape), offset + nbytes
 

@@ -82,7 +82,8 @@ def model_mismatch(reference: Sequence[Tuple[str, Tuple[int, ...], str]],
     """None when ``other`` (worker ``worker``'s model) matches worker 0's ``reference``, else what differs."""
     ref = {n: (s, d) for n, s, d in reference}
     got = {n: (s, d) for n, s, d in other}
-    for name in sorted(set(ref) | set(got)):
+    # in worker 0's order: the first parameter that differs is the one named
+    for name in [n for n, _, _ in reference] + [n for n, _, _ in other if n not in ref]:
         if name not in got:
             return f"parameter {name!r} is in worker 0's model but not in worker {worker}'s"
         if name not in ref:
