@@ -129,6 +129,13 @@ class Settings:
     # allreduce); beyond it the least recently ready name is dropped and, if used again,
     # negotiated again in full. 0: cache nothing.
     cache_capacity: int = 16384
+    # Parameter server: how long a server waits on a silent worker it owes nothing (and a worker
+    # on a silent server) before failing with an error naming it. stall_shutdown_s, when set,
+    # takes precedence; this is the limit when it is not.
+    ps_timeout_s: float = 60.0
+    # Parameter server: the nap between polls of MPI for messages, so an idle server leaves
+    # the CPU to the workers sharing its host.
+    ps_poll_sleep_us: int = 200
 
 
 def _from_environment() -> Settings:
@@ -155,6 +162,8 @@ def _from_environment() -> Settings:
         mpi_wait_spin_us=_read("MPI_WAIT_SPIN_US", d.mpi_wait_spin_us, _count),
         torch_threads=_read("TORCH_THREADS", d.torch_threads, _threads),
         cache_capacity=_read("CACHE_CAPACITY", d.cache_capacity, _count),
+        ps_timeout_s=_read("PS_TIMEOUT_S", d.ps_timeout_s, float),
+        ps_poll_sleep_us=_read("PS_POLL_SLEEP_US", d.ps_poll_sleep_us, int),
     )
 
 

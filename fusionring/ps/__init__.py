@@ -1,6 +1,11 @@
 """fusionring's parameter server: server ranks hold parameters, workers push gradients and pull parameters.
 
-This package holds the synchronization policies (``fusionring.ps.sync``): the server's decisions per push, as
-pure functions of the arrival order.
+``init``/``shutdown`` and the worker's ``DistributedOptimizer`` are in :mod:`.worker`, the server's loop in
+:mod:`.server`, the messages in :mod:`.protocol`, gradient encoding in :mod:`.payload`, and the synchronization
+policies (pure functions of the arrival order) in :mod:`.sync`.
 """
-from .sync import SYNC_MODES, DEFAULT_SLACK, make_policy  # noqa: F401
+from .sync import DEFAULT_SLACK, SYNC_MODES, make_policy
+from .worker import DistributedOptimizer, init, is_server, num_workers, shutdown, stats, worker_rank
+
+__all__ = ["init", "shutdown", "DistributedOptimizer", "worker_rank", "num_workers", "is_server", "stats",
+           "SYNC_MODES", "DEFAULT_SLACK", "make_policy"]

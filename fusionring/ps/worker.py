@@ -1,0 +1,262 @@
+"""The worker role and the job's entry points: ``init``, ``DistributedOptimizer``, ``shutdown``, ``stats``.
+
+``init(num_servers)`` makes the first ``num_servers`` ranks servers (they serve inside ``init()`` and exit with
+status 0 once every worker has shut down); the other ranks are workers and return. A worker's optimizer pushes its
+gradient to every server (each gets the parameters it holds, split by bytes), waits for their replies and loads the
+new parameters; the wrapped optimizer itself never steps on the worker.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..compression import Compression
+from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
+from . import payload, protocol
+from .protocol import Header
+from .sync import SYNC_MODES
+
+_ERRORS = {"StallError": StallError, "TensorMismatchError": TensorMismatchError, "ValueError": ValueError}
+
+
+class _Job:
+    """This process's place in the job (set by ``init``)."""
+
+    def __init__(self, comm: Any, num_servers: int) -> None:
+        self.comm = comm
+        self.num_servers = num_servers
+        self.rank = comm.Get_rank()
+        self.requests: List[Any] = []
+        self.stats: Dict[str, Any] = {"pushes": 0, "waits": 0, "staleness_max": 0, "staleness_sum": 0,
+                                      "ahead_max": 0, "bytes_sent": 0, "bytes_received": 0,
+                                      "group_changes": [], "version": 0}
+        self.closed = False
+        self.optimizer: Optional["DistributedOptimizer"] = None
+
+
+_job: Optional[_Job] = None
+
+
+def _require_worker(what: str) -> _Job:
+    if _job is None:
+        raise NotInitializedError(what)
+    if _job.closed:
+        raise FusionRingError(f"{what} after ps.shutdown()")
+    return _job
+
+
+def init(num_servers: int = 1) -> None:
+    """Start the job: ranks ``[0, num_servers)`` run the server here and exit with status 0 when every worker has
+    shut down; the other ranks are workers and return."""
+    global _job
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or not 1 <= num_servers < size:
+        raise ValueError(f"num_servers must be an int in [1, world size - 1] = [1, {size - 1}] (at least one "
+                         f"rank must be a worker), got {num_servers!r}")
+    if _job is not None:
+        return
+    _job = _Job(comm, num_servers)
+    if _job.rank < num_servers:
+        from .server import serve
+        serve(comm, num_servers)
+        sys.exit(0)
+
+
+def is_server() -> bool:
+    """True on a server rank (only seen before ``init`` returns, as servers exit inside it)."""
+    if _job is None:
+        raise NotInitializedError("ps.is_server()")
+    return _job.rank < _job.num_servers
+
+
+def worker_rank() -> int:
+    """This worker's index among the workers, 0 .. num_workers() - 1."""
+    if _job is None:
+        raise NotInitializedError("ps.worker_rank()")
+    return _job.rank - _job.num_servers
+
+
+def num_workers() -> int:
+    """How many workers the job has (world size minus servers)."""
+    if _job is None:
+        raise NotInitializedError("ps.num_workers()")
+    return _job.comm.Get_size() - _job.num_servers
+
+
+def stats() -> Dict[str, Any]:
+    """This worker's counters: pushes, waits (replies the server held back for the sync rule), staleness seen
+    (server updates between its pull and its gradient's update: max and mean), ``ahead_max`` (iterations ahead of
+    the slowest worker when answered), bytes sent and received, and the adaptive mode's group changes."""
+    if _job is None:
+        raise NotInitializedError("ps.stats()")
+    s = dict(_job.stats)
+    s["staleness_mean"] = s["staleness_sum"] / s["pushes"] if s["pushes"] else 0.0
+    s["group_changes"] = list(s["group_changes"])
+    return s
+
+
+def shutdown() -> None:
+    """Tell every server this worker is done (the servers stop waiting for it); idempotent."""
+    job = _job
+    if job is None or job.closed or job.rank < job.num_servers:
+        return
+    for server in protocol.server_ranks(job.num_servers):
+        job.requests.append(job.comm.isend(Header(protocol.BYE), dest=server, tag=protocol.TAG_TO_SERVER))
+    for r in job.requests:
+        r.Wait()
+    job.requests = []
+    job.closed = True
+
+
+def _wait_reply(job: _Job, server: int, deadline: float) -> Tuple[Header, Optional[np.ndarray]]:
+    """The next reply from ``server``; its error message raised as an error; silence past ``deadline`` an error."""
+    from mpi4py import MPI
+    status = MPI.Status()
+    protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
+                        deadline, lambda: f"server rank {server} did not answer worker {job.rank - job.num_servers} "
+                                          f"in {protocol.timeout_s() * 2:g} s: it died or stopped")
+    header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
+    if header.kind == protocol.ERROR:
+        job.closed = True
+        raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
+    data = np.empty(header.fields["nbytes"], dtype=np.uint8)
+    job.comm.Recv(data, source=server, tag=protocol.TAG_TO_WORKER_DATA)
+    job.stats["bytes_received"] += data.size
+    return header, data
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer for a parameter-server job: ``step()`` pushes this worker's gradient to the servers,
+    waits for their reply (the sync rule may hold it back) and loads the new parameters.
+
+    ``sync``: "bsp" | "asp" | "ssp" | "adaptive" (see docs/ps.md); ``staleness``: ssp's bound in iterations;
+    ``slack``: adaptive's slack factor (None: ``sync.DEFAULT_SLACK``); ``compression``: any fusionring compressor
+    (per-rank payloads are decoded on arrival; a shared N:M mask is refused).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
+                 sync: str = "adaptive", staleness: int = 3, slack: Optional[float] = None,
+                 compression: Any = Compression.none) -> None:
+        job = _require_worker("ps.DistributedOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {staleness!r}")
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0):
+            raise ValueError(f"slack must be a non-negative number or None, got {slack!r}")
+        payload.check_compressor(compression)
+        if named_parameters is None:
+            raise ValueError("named_parameters is required: pass model.named_parameters()")
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"named_parameters: names {dup} appear more than once")
+        by_id = {id(p): n for n, p in named}
+        for i, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in by_id:
+                    raise ValueError(f"named_parameters: a parameter of shape {list(p.shape)} in the optimizer's "
+                                     f"param group {i} is not among the named parameters")
+        if job.optimizer is not None:
+            raise ValueError("a parameter-server job has one ps.DistributedOptimizer per worker")
+        self.optimizer = optimizer
+        self.sync, self.staleness, self.slack = sync, staleness, slack
+        self.compression = compression
+        self._job = job
+        self._named = named
+        self._params = dict(named)
+        self._group_names = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        model = protocol.describe_model(named)
+        nbytes = [p.numel() * p.element_size() for _, p in named]
+        self._shards = protocol.shard_names(names, nbytes, job.num_servers)
+        self._iteration = 0
+        self._epoch = 0
+        groups = [{"names": gn, "hyper": self._hyper(g)} for gn, g in zip(self._group_names, optimizer.param_groups)]
+        spec = payload.decoder_spec(compression)
+        for server, shard in enumerate(self._shards):
+            fields = {"model": model, "groups": groups, "optimizer": type(optimizer), "sync": sync,
+                      "staleness": staleness, "slack": slack, "decoder": spec}
+            data = None
+            if job.rank == job.num_servers:  # worker 0: the initial parameters
+                data = payload.pack([self._params[n] for n in shard])
+                fields["nbytes"] = data.size
+            self._send(server, Header(protocol.HELLO, fields), data)
+        job.optimizer = self
+        self._receive_params()
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer's face
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    # ------------------------------------------------------------------ messaging
+    def _send(self, server: int, header: Header, data: Optional[np.ndarray]) -> None:
+        job = self._job
+        job.requests.append(job.comm.isend(header, dest=server, tag=protocol.TAG_TO_SERVER))
+        if data is not None:
+            job.requests.append(job.comm.Isend(data, dest=server, tag=protocol.TAG_TO_SERVER_DATA))
+            job.stats["bytes_sent"] += data.size
+
+    def _receive_params(self) -> None:
+        job = self._job
+        deadline = time.monotonic() + 2 * protocol.timeout_s()  # past the server's own limit on a dead peer
+        for server, shard in enumerate(self._shards):
+            header, data = _wait_reply(job, server, deadline)
+            payload.unpack_into(data, [self._params[n].data for n in shard])
+            f = header.fields
+            if self._iteration > 0:
+                job.stats["waits"] += int(f["held"])
+                job.stats["staleness_max"] = max(job.stats["staleness_max"], f["staleness"])
+                job.stats["staleness_sum"] += f["staleness"] if server == 0 else 0
+                job.stats["ahead_max"] = max(job.stats["ahead_max"], f["ahead"])
+            if f["changes"]:
+                job.stats["group_changes"] = f["changes"]
+            job.stats["version"] = f["version"]
+        for r in job.requests:
+            r.Wait()
+        job.requests = []
+
+    # ------------------------------------------------------------------ training
+    def step(self, closure: Any = None) -> Optional[float]:
+        """Push this worker's gradients, wait for the servers' reply, load the new parameters."""
+        job = _require_worker("DistributedOptimizer.step()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._iteration += 1
+        hyper = [self._hyper(g) for g in self.optimizer.param_groups]
+        for server, shard in enumerate(self._shards):
+            grads = []
+            for n in shard:
+                p = self._params[n]
+                grads.append((n, p.grad if p.grad is not None else torch.zeros_like(p)))
+            layout, data = payload.encode(self.compression, grads)
+            self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
+                                                      "layout": layout, "nbytes": data.size}), data)
+        job.stats["pushes"] += 1
+        self._receive_params()
+        return loss
+
+    def end_epoch(self) -> None:
+        """Tell the servers this worker completed an epoch (adaptive mode re-decides its groups on these)."""
+        _require_worker("DistributedOptimizer.end_epoch()")
+        self._epoch += 1
+        for server in range(len(self._shards)):
+            self._send(server, Header(protocol.EPOCH, {"epoch": self._epoch}), None)
