@@ -5,7 +5,7 @@
 policies (pure functions of the arrival order) in :mod:`.sync`.
 """
 from .sync import DEFAULT_SLACK, SYNC_MODES, make_policy
-from .worker import DistributedOptimizer, init, is_server, num_workers, shutdown, stats, worker_rank
+from .worker import DistributedOptimizer, init, is_server, num_workers, save, shutdown, stats, worker_rank
 
-__all__ = ["init", "shutdown", "DistributedOptimizer", "worker_rank", "num_workers", "is_server", "stats",
+__all__ = ["init", "shutdown", "DistributedOptimizer", "worker_rank", "num_workers", "is_server", "stats", "save",
            "SYNC_MODES", "DEFAULT_SLACK", "make_policy"]

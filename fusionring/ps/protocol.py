@@ -13,9 +13,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..config import settings
 from ..exceptions import StallError
 
-TAG_TO_SERVER = 7301     # worker -> server headers: hello, push, epoch, bye
+TAG_TO_SERVER = 7301     # worker -> server headers: hello, push, epoch, bye, save, state, load
 TAG_TO_SERVER_DATA = 7302  # worker -> server: a push's encoded gradients
-TAG_TO_WORKER = 7303     # server -> worker headers: params, error
+TAG_TO_WORKER = 7303     # server -> worker headers: params, saved, state, error
 TAG_TO_WORKER_DATA = 7304  # server -> worker: the parameters
 
 # Header kinds.
@@ -25,6 +25,10 @@ EPOCH = "epoch"    # the worker completed an epoch
 BYE = "bye"        # the worker shut down; the server stops waiting for it
 PARAMS = "params"  # the server's parameters (its shard) after the updates a push led to; data follows
 ERROR = "error"    # the server failed (a dead worker, a mismatched model); the message says why
+SAVE = "save"      # worker 0's ps.save(): write this server's state to the file named
+SAVED = "saved"    # the server wrote its state
+STATE = "state"    # a worker's state_dict(): send this server's state (request and reply); data follows the reply
+LOAD = "load"      # load_state_dict(): every worker sends one; worker 0's carries the state (or its file)
 
 
 @dataclass

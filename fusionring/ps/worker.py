@@ -7,6 +7,8 @@ new parameters; the wrapped optimizer itself never steps on the worker.
 """
 from __future__ import annotations
 
+import io
+import os
 import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -15,11 +17,13 @@ import numpy as np
 import torch
 
 from ..compression import Compression
+from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from . import payload, protocol
 from .protocol import Header
 from .sync import SYNC_MODES
 
+STATE_FORMAT = "fusionring.ps.state/1"
 _ERRORS = {"StallError": StallError, "TensorMismatchError": TensorMismatchError, "ValueError": ValueError}
 
 
@@ -114,7 +118,25 @@ def shutdown() -> None:
     job.closed = True
 
 
-def _wait_reply(job: _Job, server: int, deadline: float) -> Tuple[Header, Optional[np.ndarray]]:
+def save(path: str) -> None:
+    """Checkpoint the job: on worker 0, ask every server to write its parameters, optimizer state and sync
+    bookkeeping to ``<path>.server<s>`` and write ``path``, the index a new job loads with
+    ``opt.load_state_dict(torch.load(path))``. On other workers it does nothing, so every worker may call it."""
+    job = _require_worker("ps.save()")
+    opt = job.optimizer
+    if opt is None:
+        raise FusionRingError("ps.save() before ps.DistributedOptimizer: there is nothing on the servers yet")
+    if job.rank != job.num_servers:
+        return
+    path = os.path.abspath(os.fspath(path))
+    files = [f"{path}.server{server}" for server in range(len(opt._shards))]
+    opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
+    torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files},
+               path)
+
+
+def _wait_reply(job: _Job, server: int, deadline: float,
+                expect: str = protocol.PARAMS) -> Tuple[Header, Optional[np.ndarray]]:
     """The next reply from ``server``; its error message raised as an error; silence past ``deadline`` an error."""
     from mpi4py import MPI
     status = MPI.Status()
@@ -125,6 +147,11 @@ def _wait_reply(job: _Job, server: int, deadline: float) -> Tuple[Header, Option
     if header.kind == protocol.ERROR:
         job.closed = True
         raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
+    if header.kind != expect:
+        raise FusionRingError(f"server rank {server} answered {header.kind!r} where worker "
+                              f"{job.rank - job.num_servers} expected {expect!r}")
+    if "nbytes" not in header.fields:
+        return header, None
     data = np.empty(header.fields["nbytes"], dtype=np.uint8)
     job.comm.Recv(data, source=server, tag=protocol.TAG_TO_WORKER_DATA)
     job.stats["bytes_received"] += data.size
@@ -191,7 +218,7 @@ class DistributedOptimizer:
                 fields["nbytes"] = data.size
             self._send(server, Header(protocol.HELLO, fields), data)
         job.optimizer = self
-        self._receive_params()
+        self._receive_params(first=True)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's face
     @property
@@ -213,11 +240,16 @@ class DistributedOptimizer:
             job.requests.append(job.comm.Isend(data, dest=server, tag=protocol.TAG_TO_SERVER_DATA))
             job.stats["bytes_sent"] += data.size
 
-    def _receive_params(self) -> None:
+    def _receive_params(self, first: bool = False) -> List[Header]:
         job = self._job
-        deadline = time.monotonic() + 2 * protocol.timeout_s()  # past the server's own limit on a dead peer
+        limit = protocol.timeout_s()
+        if first:  # the server waits for every worker's model description with the longer limit
+            limit = max(limit, float(settings().ps_timeout_s))
+        deadline = time.monotonic() + 2 * limit  # past the server's own limit on a dead peer
+        headers = []
         for server, shard in enumerate(self._shards):
             header, data = _wait_reply(job, server, deadline)
+            headers.append(header)
             payload.unpack_into(data, [self._params[n].data for n in shard])
             f = header.fields
             if self._iteration > 0:
@@ -231,6 +263,7 @@ class DistributedOptimizer:
         for r in job.requests:
             r.Wait()
         job.requests = []
+        return headers
 
     # ------------------------------------------------------------------ training
     def step(self, closure: Any = None) -> Optional[float]:
@@ -253,6 +286,48 @@ class DistributedOptimizer:
         job.stats["pushes"] += 1
         self._receive_params()
         return loss
+
+    # ------------------------------------------------------------------ state
+    def _ask_servers(self, kind: str, fields_per_server: List[dict], expect: str) -> List[Tuple[Header, Any]]:
+        job = self._job
+        for server in range(len(self._shards)):
+            self._send(server, Header(kind, fields_per_server[server]), None)
+        deadline = time.monotonic() + 2 * protocol.timeout_s()
+        replies = [_wait_reply(job, server, deadline, expect) for server in range(len(self._shards))]
+        for r in job.requests:
+            r.Wait()
+        job.requests = []
+        return replies
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every server's state (its parameters, optimizer state, sync bookkeeping) as one dict; give it to
+        ``load_state_dict`` in a new job. Gradients still in flight (pushed but not yet applied) are not part
+        of it."""
+        _require_worker("DistributedOptimizer.state_dict()")
+        replies = self._ask_servers(protocol.STATE, [{} for _ in self._shards], protocol.STATE)
+        servers = [torch.load(io.BytesIO(data.tobytes()), weights_only=False) for _, data in replies]
+        return {"format": STATE_FORMAT, "num_servers": len(self._shards), "shards": self._shards,
+                "servers": servers}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` or from the file ``ps.save`` wrote (``torch.load(path)``). Every worker
+        calls it, right after building this optimizer and before its first ``step()``; the servers take worker
+        0's state (a saved file is read by each server itself) and answer every worker with the restored
+        parameters, its iteration and epoch count."""
+        job = _require_worker("DistributedOptimizer.load_state_dict()")
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+            raise ValueError("state_dict: not a parameter-server state (from DistributedOptimizer.state_dict() or "
+                             "torch.load() of ps.save()'s file)")
+        if state_dict["num_servers"] != len(self._shards) or state_dict["shards"] != self._shards:
+            raise ValueError(f"state_dict: saved with {state_dict['num_servers']} servers holding "
+                             f"{state_dict['shards']}, this job has {len(self._shards)} holding {self._shards}")
+        mine = job.rank == job.num_servers
+        for server in range(len(self._shards)):
+            fields = {"state": state_dict["servers"][server]} if mine else {}
+            self._send(server, Header(protocol.LOAD, fields), None)
+        headers = self._receive_params(first=True)
+        self._iteration = int(headers[0].fields["iteration"])
+        self._epoch = int(headers[0].fields["epoch"])
 
     def end_epoch(self) -> None:
         """Tell the servers this worker completed an epoch (adaptive mode re-decides its groups on these)."""
