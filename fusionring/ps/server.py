@@ -48,10 +48,12 @@ def weighted_sum(grads: List[torch.Tensor], weights: List[float], dtype: torch.d
     """``sum(w * g)`` in list order, the one way the server (and a replay) combines an update's gradients."""
     if len(grads) == 1 and weights[0] == 1.0:
         return grads[0].to(dtype)
+    # (w * g) rounded, then added: the plain definition, not a fused multiply-add, so a replay in one process
+    # (or a reference in numpy) reproduces it bit for bit
     total = None
     for g, w in zip(grads, weights):
-        g = g.to(dtype)
-        total = g * w if total is None else total.add_(g, alpha=w)
+        term = g.to(dtype) * w
+        total = term if total is None else total.add_(term)
     return total
 
 
