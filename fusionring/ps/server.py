@@ -100,7 +100,8 @@ class Server:
             self.requests = [r for r in self.requests if not r.Test()]
 
     def _fail(self, error: Exception) -> None:
-        """Tell every worker still there, then raise ``error``."""
+        """Tell every worker still there, then raise ``error`` (the process will exit with status 1)."""
+        protocol.exit_nonzero_without_finalize()
         for k in sorted(self.active):
             try:
                 self._send(k, Header(protocol.ERROR, {"message": f"server rank {self.rank}: {error}",

@@ -146,6 +146,7 @@ def _wait_reply(job: _Job, server: int, deadline: float,
     header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
     if header.kind == protocol.ERROR:
         job.closed = True
+        protocol.exit_nonzero_without_finalize()
         raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
     if header.kind != expect:
         raise FusionRingError(f"server rank {server} answered {header.kind!r} where worker "
