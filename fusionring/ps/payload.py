@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..compression import NMCompressor, describe
+from ..compression import ClusterCompressor, NMCompressor, describe
 from ..compression.nm import nm as _nm
 
 Layout = List[Tuple[str, Any, bool, List[Tuple[str, Tuple[int, ...]]]]]
@@ -36,6 +36,10 @@ def decoder_spec(compression: Any) -> bytes:
     (its state, residuals, stays with the worker), else the compressor itself (a class or a plain object)."""
     if isinstance(compression, NMCompressor):
         return pickle.dumps(("nm", {"n": compression.n, "m": compression.m, "values": compression.values}))
+    if isinstance(compression, ClusterCompressor):  # the codebook travels in each payload; residuals stay
+        return pickle.dumps(("cluster", {"k": compression.k, "sample": compression.sample,
+                                         "buckets": compression.buckets, "values": compression.values,
+                                         "seed": compression.seed}))
     return pickle.dumps(("object", compression))
 
 
@@ -44,11 +48,13 @@ def build_decoder(spec: bytes) -> Any:
     kind, value = pickle.loads(spec)
     if kind == "nm":
         return _nm(value["n"], value["m"], value["values"], shared_mask=False, error_feedback=False)
+    if kind == "cluster":
+        return ClusterCompressor(error_feedback=False, **value)
     return value
 
 
 def _compress(compression: Any, name: str, tensor: torch.Tensor) -> Tuple[Any, Any]:
-    if isinstance(compression, NMCompressor):
+    if isinstance(compression, (NMCompressor, ClusterCompressor)):
         return compression.compress(tensor, name=name)  # its residuals are kept per gradient name
     return compression.compress(tensor)
 
@@ -79,6 +85,11 @@ _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torc
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
+def copy_ok_to_skip(buffer: np.ndarray) -> bool:
+    """Whether tensors may be views into ``buffer`` (a writable buffer received for this message alone)."""
+    return buffer.flags.writeable and buffer.flags.aligned
+
+
 def _from_bytes(buffer: np.ndarray, offset: int, dtype: str, shape: Tuple[int, ...]) -> Tuple[torch.Tensor, int]:
     dt = _DTYPES[dtype]
     count = int(np.prod(shape)) if shape else 1
@@ -86,8 +97,11 @@ def _from_bytes(buffer: np.ndarray, offset: int, dtype: str, shape: Tuple[int, .
     if offset + nbytes > buffer.size:
         raise ValueError(f"a buffer of {buffer.size} bytes ends before a {dtype} tensor of shape {list(shape)} "
                          f"at byte {offset}")
-    raw = torch.from_numpy(buffer[offset:offset + nbytes].copy())
-    return raw.view(dt).reshape(shape), offset + nbytes
+    raw = buffer[offset:offset + nbytes]
+    size = torch.empty((), dtype=dt).element_size()
+    if offset % size or not copy_ok_to_skip(buffer):
+        raw = raw.copy()  # a view needs the element size's alignment (and a buffer nobody reuses)
+    return torch.from_numpy(raw).view(dt).reshape(shape), offset + nbytes
 
 
 def decode(decoder: Any, layout: Layout, buffer: np.ndarray) -> Dict[str, torch.Tensor]:
