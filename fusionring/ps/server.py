@@ -241,8 +241,11 @@ class Server:
                 with torch.no_grad():
                     for n in self.names:
                         p = self.params[n]
-                        p.grad = weighted_sum([self.grads[k][n] for k, _ in update], [w for _, w in update],
-                                              p.dtype)
+                        # with layer selection a push may leave a parameter out: it counts as zero in this
+                        # update (its gradient waits on the worker), and with no gradient the optimizer skips it
+                        terms = [(self.grads[k][n], w) for k, w in update if n in self.grads[k]]
+                        p.grad = weighted_sum([g for g, _ in terms], [w for _, w in terms], p.dtype) \
+                            if terms else None
                 self.optimizer.step()
             for k, _ in update:
                 self.staleness[k] = self.version - self.sent_version[k]

@@ -166,11 +166,13 @@ class DistributedOptimizer:
     ``sync``: "bsp" | "asp" | "ssp" | "adaptive" (see docs/ps.md); ``staleness``: ssp's bound in iterations;
     ``slack``: adaptive's slack factor (None: ``sync.DEFAULT_SLACK``); ``compression``: any fusionring compressor
     (per-rank payloads are decoded on arrival; a shared N:M mask is refused).
+    ``layer_selection``: a ``LayerSelection`` (as for ``fusionring.torch.DistributedOptimizer``): each worker pushes
+    only its own top-k layers, the others accumulate on the worker (error feedback) and travel later.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  sync: str = "adaptive", staleness: int = 3, slack: Optional[float] = None,
-                 compression: Any = Compression.none) -> None:
+                 compression: Any = Compression.none, layer_selection: Any = None) -> None:
         job = _require_worker("ps.DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -199,6 +201,13 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.sync, self.staleness, self.slack = sync, staleness, slack
         self.compression = compression
+        # each worker picks its own layers (no agreement, as the server decodes every push on its own); the
+        # layers it does not send wait in the selection's accumulator (error feedback)
+        self.layer_selection = layer_selection
+        if layer_selection is not None:
+            if not callable(getattr(layer_selection, "attach", None)):
+                raise ValueError(f"layer_selection: {layer_selection!r} is not a LayerSelection")
+            layer_selection.attach(named)
         self._job = job
         self._named = named
         self._params = dict(named)
@@ -276,11 +285,10 @@ class DistributedOptimizer:
                 loss = closure()
         self._iteration += 1
         hyper = [self._hyper(g) for g in self.optimizer.param_groups]
+        dense = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named}
+        sending = self._select(dense) if self.layer_selection is not None else dense
         for server, shard in enumerate(self._shards):
-            grads = []
-            for n in shard:
-                p = self._params[n]
-                grads.append((n, p.grad if p.grad is not None else torch.zeros_like(p)))
+            grads = [(n, sending[n]) for n in shard if n in sending]
             layout, data = payload.encode(self.compression, grads)
             self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
                                                       "layout": layout, "nbytes": data.size}), data)
@@ -307,8 +315,9 @@ class DistributedOptimizer:
         _require_worker("DistributedOptimizer.state_dict()")
         replies = self._ask_servers(protocol.STATE, [{} for _ in self._shards], protocol.STATE)
         servers = [torch.load(io.BytesIO(data.tobytes()), weights_only=False) for _, data in replies]
+        worker = {"layer_selection": self.layer_selection.state_dict()} if self.layer_selection is not None else {}
         return {"format": STATE_FORMAT, "num_servers": len(self._shards), "shards": self._shards,
-                "servers": servers}
+                "servers": servers, "worker": worker}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Resume from ``state_dict()`` or from the file ``ps.save`` wrote (``torch.load(path)``). Every worker
@@ -329,6 +338,21 @@ class DistributedOptimizer:
         headers = self._receive_params(first=True)
         self._iteration = int(headers[0].fields["iteration"])
         self._epoch = int(headers[0].fields["epoch"])
+        worker = state_dict.get("worker") or {}
+        if self.layer_selection is not None and "layer_selection" in worker:
+            self.layer_selection.load_state_dict(worker["layer_selection"])
+
+    def _select(self, dense: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """This worker's own top-k layers: their gradients plus what they kept back travel; the others wait."""
+        sel = self.layer_selection
+        summed = {n: sel.acc.add(n, g.detach()) for n, g in dense.items() if n in sel.params}
+        chosen = sel.choose(sel.scores(summed))
+        sel.step_count += 1
+        sent = {n for i in chosen for n in sel.layers[i]}
+        sel.acc.settle(chosen, sel.layers, summed)
+        out = {n: g for n, g in summed.items() if n in sent}
+        out.update({n: g for n, g in dense.items() if n not in sel.params})  # parameters it does not select
+        return out
 
     def end_epoch(self) -> None:
         """Tell the servers this worker completed an epoch (adaptive mode re-decides its groups on these)."""
