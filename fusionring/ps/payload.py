@@ -66,6 +66,13 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 def encode(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Layout, np.ndarray]:
     """Compress each (name, gradient); return the layout and one uint8 buffer holding every payload part."""
+    layout, parts = encode_parts(compression, named)
+    return layout, np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def encode_parts(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Layout, List[np.ndarray]]:
+    """As ``encode``, but each payload part stays its own uint8 array (a view of the tensor's memory when it is
+    contiguous on the CPU: uncompressed gradients are sent without a copy)."""
     layout: Layout = []
     parts: List[np.ndarray] = []
     for name, tensor in named:
@@ -77,8 +84,7 @@ def encode(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple
                              f"for {name!r}")
         layout.append((name, ctx, is_tuple, [(str(p.dtype), tuple(p.shape)) for p in pieces]))
         parts.extend(_as_bytes(p) for p in pieces)
-    buffer = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-    return layout, buffer
+    return layout, parts
 
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -137,10 +143,93 @@ def unpack_into(buffer: np.ndarray, tensors: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"a parameter buffer holds {buffer.size} bytes, the model needs {offset}")
 
 
+# Parts below this size travel together (one small copy) so a model of many small tensors is not many messages;
+# larger ones travel as their own message, straight from (and into) the tensors' memory.
+SMALL_PART_BYTES = 64 * 1024
+
+
+def runs(sizes: Sequence[int], small: int = SMALL_PART_BYTES) -> List[Tuple[int, int]]:
+    """Group parts of ``sizes`` bytes into messages, as (first, end) index ranges: a large part alone, neighbouring
+    small parts together up to ``small`` bytes. Both ends compute it from the same sizes, so it is not sent."""
+    out: List[Tuple[int, int]] = []
+    i = 0
+    while i < len(sizes):
+        if sizes[i] >= small:
+            out.append((i, i + 1))
+            i += 1
+            continue
+        j, total = i, 0
+        while j < len(sizes) and sizes[j] < small and total + sizes[j] <= small:
+            total += sizes[j]
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def part_sizes(layout: Layout) -> List[int]:
+    """The byte size of each payload part a layout describes, in order."""
+    sizes = []
+    for _, _, _, pieces in layout:
+        for dtype, shape in pieces:
+            count = int(np.prod(shape)) if shape else 1
+            sizes.append(count * torch.empty((), dtype=_DTYPES[dtype]).element_size())
+    return sizes
+
+
+def send_parts(comm: Any, parts: Sequence[np.ndarray], dest: int, tag: int) -> List[Any]:
+    """Isend ``parts`` as ``runs`` groups them; returns the requests (the parts must stay untouched until done)."""
+    requests = []
+    for a, b in runs([p.size for p in parts]):
+        message = parts[a] if b - a == 1 else np.concatenate(parts[a:b])
+        requests.append(comm.Isend(message, dest=dest, tag=tag))
+    return requests
+
+
+def recv_parts(comm: Any, buffer: np.ndarray, sizes: Sequence[int], source: int, tag: int) -> None:
+    """Receive ``send_parts``'s messages into one buffer, back to back."""
+    offset = 0
+    for a, b in runs(sizes):
+        nbytes = sum(sizes[a:b])
+        comm.Recv(buffer[offset:offset + nbytes], source=source, tag=tag)
+        offset += nbytes
+
+
+def recv_into(comm: Any, tensors: Sequence[torch.Tensor], source: int, tag: int) -> int:
+    """Receive ``send_parts``'s messages of dense tensors straight into ``tensors`` (contiguous, on the CPU);
+    returns the bytes received."""
+    views = [_writable_bytes(t) for t in tensors]
+    total = 0
+    for a, b in runs([v.size for v in views]):
+        if b - a == 1:
+            comm.Recv(views[a], source=source, tag=tag)
+        else:
+            message = np.empty(sum(v.size for v in views[a:b]), np.uint8)
+            comm.Recv(message, source=source, tag=tag)
+            offset = 0
+            for v in views[a:b]:
+                v[...] = message[offset:offset + v.size]
+                offset += v.size
+        total += sum(v.size for v in views[a:b])
+    return total
+
+
+def _writable_bytes(t: torch.Tensor) -> np.ndarray:
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("parameters must be contiguous CPU tensors to receive into")
+    return t.detach().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def dense_parts(tensors: Sequence[torch.Tensor]) -> List[np.ndarray]:
+    """Each tensor's bytes as a uint8 view (the parameters a server sends, without packing them)."""
+    return [_as_bytes(t) for t in tensors]
+
+
 def packed_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """The size of ``pack(tensors)``."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-__all__ = ["check_compressor", "decoder_spec", "build_decoder", "encode", "decode", "pack", "unpack_into",
+__all__ = ["check_compressor", "decoder_spec", "build_decoder", "encode", "encode_parts", "decode", "pack",
+           "unpack_into", "runs", "part_sizes", "send_parts", "recv_parts", "recv_into", "dense_parts",
            "packed_bytes"]

@@ -85,6 +85,8 @@ class Server:
         self.record: Optional[dict] = None
         self.bytes_received = 0
         self.bytes_sent = 0
+        self.push_buffers: Dict[int, np.ndarray] = {}
+        self.param_sends: List[tuple] = []     # (request, worker): parameters sent from their own memory
 
     # ------------------------------------------------------------------ messaging
     def _worker_rank(self, k: int) -> int:
@@ -120,12 +122,20 @@ class Server:
         header: Header = self.comm.recv(source=source, tag=protocol.TAG_TO_SERVER)
         data = None
         nbytes = header.fields.get("nbytes")
-        if nbytes is not None:
-            # a fresh buffer per message: the decoded gradients are views into it, no further copy
+        k = source - self.num_servers
+        if nbytes is not None and header.kind == protocol.PUSH:
+            # one buffer per worker, reused: the decoded gradients are views into it, and a worker pushes again
+            # only after its reply, which comes after its gradient was applied
+            data = self.push_buffers.get(k)
+            if data is None or data.size != nbytes:
+                data = self.push_buffers[k] = np.empty(nbytes, dtype=np.uint8)
+            payload.recv_parts(self.comm, data, payload.part_sizes(header.fields["layout"]), source,
+                               protocol.TAG_TO_SERVER_DATA)
+            self.bytes_received += nbytes
+        elif nbytes is not None:
             data = np.empty(nbytes, dtype=np.uint8)
             self.comm.Recv(data, source=source, tag=protocol.TAG_TO_SERVER_DATA)
             self.bytes_received += nbytes
-        k = source - self.num_servers
         self.last_heard[k] = time.monotonic()
         return k, header, data
 
@@ -194,9 +204,9 @@ class Server:
                            "slack": ref["slack"], "num_workers": self.num_workers, "optimizer": ref["optimizer"],
                            "groups": ref["groups"], "initial": {n: t.clone() for n, t in self.params.items()},
                            "events": []}
-        packed = self._packed()
+        parts = self._param_parts()
         for k in range(self.num_workers):
-            self._reply(k, packed)
+            self._reply(k, parts)
 
     def _build_optimizer(self, optimizer_class: type, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
         own = set(self.names)
@@ -218,22 +228,42 @@ class Server:
                                   f"workers' param groups: {e}"))
 
     # ------------------------------------------------------------------ updates and replies
-    def _packed(self) -> np.ndarray:
-        return payload.pack([self.params[n] for n in self.names])
+    def _param_parts(self) -> List[np.ndarray]:
+        return payload.dense_parts([self.params[n] for n in self.names])
 
-    def _reply(self, k: int, packed: np.ndarray, extra: Optional[dict] = None) -> None:
+    def _reply(self, k: int, parts: List[np.ndarray], extra: Optional[dict] = None) -> None:
+        """Send the parameters to worker ``k`` straight from their memory (``_settle_param_sends`` guards it)."""
         active = [self.pushes[j] for j in self.active]
         ahead = self.pushes[k] - min(active) if active else 0
+        nbytes = sum(p.size for p in parts)
         fields = {"version": self.version, "held": k in self.held, "ahead": ahead,
-                  "staleness": self.staleness[k], "changes": list(self.changes), "nbytes": packed.size,
+                  "staleness": self.staleness[k], "changes": list(self.changes), "nbytes": nbytes,
                   **(extra or {})}
         self.held.discard(k)
         self.sent_version[k] = self.version
         self.last_heard[k] = time.monotonic()  # it computes from now on
-        self._send(k, Header(protocol.PARAMS, fields), packed)
+        self._send(k, Header(protocol.PARAMS, fields))
+        dest = self._worker_rank(k)
+        self.param_sends.extend((r, k) for r in payload.send_parts(self.comm, parts, dest,
+                                                                   protocol.TAG_TO_WORKER_DATA))
+        self.bytes_sent += nbytes
+
+    def _settle_param_sends(self) -> None:
+        """Wait until every worker has the parameters sent to it, before they change (no copy was made). The
+        workers are waiting for them, so this is short; a worker that stopped receiving is an error."""
+        deadline = time.monotonic() + self.timeout
+        while self.param_sends:
+            self.param_sends = [(r, k) for r, k in self.param_sends if not r.Test()]
+            if self.param_sends and time.monotonic() > deadline:
+                late = sorted({k for _, k in self.param_sends})
+                self.param_sends = []
+                self._fail(StallError(f"worker {late[0]} (rank {self._worker_rank(late[0])}) did not take the "
+                                      f"parameters sent to it for {self.timeout:g} s: it died or stopped "
+                                      f"(workers: {late})"))
 
     def _apply(self, decision: Decision) -> None:
         for update in decision.updates:
+            self._settle_param_sends()
             if self.optimizer is not None:
                 last = update[-1][0]
                 for index, group in zip(self.group_index, self.optimizer.param_groups):
@@ -252,10 +282,10 @@ class Server:
                 self.grads.pop(k, None)
             self.version += 1
         if decision.reply:
-            packed = self._packed()
+            parts = self._param_parts()
             for k in decision.reply:
                 if k in self.active:
-                    self._reply(k, packed)
+                    self._reply(k, parts)
         self._note_changes()
 
     def _note_changes(self) -> None:
@@ -294,6 +324,7 @@ class Server:
             if state[key] != mine:
                 self._fail(ValueError(f"load_state_dict(): the state was saved with {key}={state[key]!r}, this "
                                       f"job has {key}={mine!r}"))
+        self._settle_param_sends()
         with torch.no_grad():
             for n in self.names:
                 self.params[n].copy_(state["params"][n])
@@ -317,9 +348,9 @@ class Server:
             self.loading = {}
             if self.record is not None:
                 self.record["events"].append(("load", 0, self.state()))
-            packed = self._packed()
+            parts = self._param_parts()
             for j in sorted(self.active):
-                self._reply(j, packed, {"iteration": self.pushes[j], "epoch": self.epochs[j]})
+                self._reply(j, parts, {"iteration": self.pushes[j], "epoch": self.epochs[j]})
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -368,6 +399,7 @@ class Server:
                 self._on_load(k, f)
             else:
                 self._fail(FusionRingError(f"worker {k} sent an unexpected {header.kind!r} message"))
+        self._settle_param_sends()
         for r in self.requests:
             r.Wait()
         if self.timeline is not None:

@@ -151,8 +151,8 @@ def _wait_reply(job: _Job, server: int, deadline: float,
     if header.kind != expect:
         raise FusionRingError(f"server rank {server} answered {header.kind!r} where worker "
                               f"{job.rank - job.num_servers} expected {expect!r}")
-    if "nbytes" not in header.fields:
-        return header, None
+    if "nbytes" not in header.fields or header.kind == protocol.PARAMS:
+        return header, None  # parameters are received straight into the model (DistributedOptimizer)
     data = np.empty(header.fields["nbytes"], dtype=np.uint8)
     job.comm.Recv(data, source=server, tag=protocol.TAG_TO_WORKER_DATA)
     job.stats["bytes_received"] += data.size
@@ -217,6 +217,7 @@ class DistributedOptimizer:
         self._shards = protocol.shard_names(names, nbytes, job.num_servers)
         self._iteration = 0
         self._epoch = 0
+        self._in_flight: List[np.ndarray] = []
         groups = [{"names": gn, "hyper": self._hyper(g)} for gn, g in zip(self._group_names, optimizer.param_groups)]
         spec = payload.decoder_spec(compression)
         for server, shard in enumerate(self._shards):
@@ -258,9 +259,14 @@ class DistributedOptimizer:
         deadline = time.monotonic() + 2 * limit  # past the server's own limit on a dead peer
         headers = []
         for server, shard in enumerate(self._shards):
-            header, data = _wait_reply(job, server, deadline)
+            header, _ = _wait_reply(job, server, deadline)
             headers.append(header)
-            payload.unpack_into(data, [self._params[n].data for n in shard])
+            received = payload.recv_into(job.comm, [self._params[n].data for n in shard], server,
+                                         protocol.TAG_TO_WORKER_DATA)
+            if received != header.fields["nbytes"]:
+                raise FusionRingError(f"server rank {server} sent {header.fields['nbytes']} bytes of parameters, "
+                                      f"worker {job.rank - job.num_servers} received {received}")
+            job.stats["bytes_received"] += received
             f = header.fields
             if self._iteration > 0:
                 job.stats["waits"] += int(f["held"])
@@ -273,6 +279,7 @@ class DistributedOptimizer:
         for r in job.requests:
             r.Wait()
         job.requests = []
+        self._in_flight = []  # the gradients' memory may change again
         return headers
 
     # ------------------------------------------------------------------ training
@@ -289,9 +296,13 @@ class DistributedOptimizer:
         sending = self._select(dense) if self.layer_selection is not None else dense
         for server, shard in enumerate(self._shards):
             grads = [(n, sending[n]) for n in shard if n in sending]
-            layout, data = payload.encode(self.compression, grads)
+            layout, parts = payload.encode_parts(self.compression, grads)
+            nbytes = sum(p.size for p in parts)
             self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
-                                                      "layout": layout, "nbytes": data.size}), data)
+                                                      "layout": layout, "nbytes": nbytes}), None)
+            job.requests.extend(payload.send_parts(job.comm, parts, server, protocol.TAG_TO_SERVER_DATA))
+            self._in_flight.extend(parts)  # sent from this memory: keep it alive until the sends complete
+            job.stats["bytes_sent"] += nbytes
         job.stats["pushes"] += 1
         self._receive_params()
         return loss
