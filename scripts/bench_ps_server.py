@@ -188,6 +188,13 @@ def _write_report(args, rows, load_before, load_after) -> None:
         "",
         f"![throughput]({png.name})",
         "",
+        "Reading it: the bound serializes each round trip (rank 0's blocking send waits until the worker has the "
+        "bytes), while the server sends a worker its parameters without blocking and receives the next push "
+        "meanwhile; it waits for that send only before it changes the parameters again. So the server can "
+        "exceed 1.0x even though it also runs the SGD step. On a host with fewer cores than ranks (here, and "
+        "shared with other jobs: see the load average) the rounds vary with the load; the per-round ratios "
+        "pair runs that ran back to back.",
+        "",
         f"Load average (1, 5, 15 min) before: {load_before[0]:.2f}, {load_before[1]:.2f}, {load_before[2]:.2f}; "
         f"after: {load_after[0]:.2f}, {load_after[1]:.2f}, {load_after[2]:.2f}, on {os.cpu_count()} cores.",
         "",
