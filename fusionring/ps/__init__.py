@@ -1,6 +1,6 @@
 """fusionring's parameter server: server ranks hold parameters, workers push gradients and pull parameters.
 
-``init``/``shutdown`` and the worker's ``DistributedOptimizer`` are in :mod:`.worker`, the server's loop in
+``init``/``shutdown``, ``save`` and the worker's ``DistributedOptimizer`` are in :mod:`.worker`, the server's loop in
 :mod:`.server`, the messages in :mod:`.protocol`, gradient encoding in :mod:`.payload`, and the synchronization
 policies (pure functions of the arrival order) in :mod:`.sync`.
 """
