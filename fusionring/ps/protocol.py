@@ -55,7 +55,6 @@ def poll_until(probe: Callable[[], bool], deadline: float, what: Callable[[], st
     spins = 0
     while not probe():
         if time.monotonic() > deadline:
-            exit_nonzero_without_finalize()
             raise StallError(what())
         spins += 1
         if spins > 50 and nap > 0:  # spin briefly first: a reply is often already on its way

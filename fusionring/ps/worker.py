@@ -140,9 +140,15 @@ def _wait_reply(job: _Job, server: int, deadline: float,
     """The next reply from ``server``; its error message raised as an error; silence past ``deadline`` an error."""
     from mpi4py import MPI
     status = MPI.Status()
-    protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
-                        deadline, lambda: f"server rank {server} did not answer worker {job.rank - job.num_servers} "
-                                          f"in {protocol.timeout_s() * 2:g} s: it died or stopped")
+    try:
+        protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
+                            deadline, lambda: f"server rank {server} did not answer worker "
+                                              f"{job.rank - job.num_servers} in {protocol.timeout_s() * 2:g} s: "
+                                              f"it died or stopped")
+    except StallError:
+        job.closed = True
+        protocol.exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
+        raise
     header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
     if header.kind == protocol.ERROR:
         job.closed = True
