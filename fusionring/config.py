@@ -136,6 +136,11 @@ class Settings:
     # Parameter server: the nap between polls of MPI for messages, so an idle server leaves
     # the CPU to the workers sharing its host.
     ps_poll_sleep_us: int = 200
+    # Parameter server: when set, each server records every event it handles (arrival order,
+    # the decoded gradients, the hyper-parameters) and writes it to "<path>.server<rank>" at
+    # exit, so a single process can replay the run (fusionring.ps.record). Debugging only: it
+    # keeps every gradient in memory.
+    ps_record_path: Optional[str] = None
 
 
 def _from_environment() -> Settings:
@@ -164,6 +169,7 @@ def _from_environment() -> Settings:
         cache_capacity=_read("CACHE_CAPACITY", d.cache_capacity, _count),
         ps_timeout_s=_read("PS_TIMEOUT_S", d.ps_timeout_s, float),
         ps_poll_sleep_us=_read("PS_POLL_SLEEP_US", d.ps_poll_sleep_us, int),
+        ps_record_path=_read("PS_RECORD", d.ps_record_path, str),
     )
 
 

@@ -136,3 +136,17 @@ def test_init_needs_a_worker_rank():
     # one process: no rank is left to be a worker
     with pytest.raises(ValueError, match="num_servers"):
         ps.init(num_servers=1)
+
+
+def test_parts_travel_alone_when_large_and_together_when_small():
+    small = payload.SMALL_PART_BYTES
+    assert payload.runs([10, 10, 2 * small, 5, 5, small, small - 1, 1]) == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
+    assert payload.runs([]) == [] and payload.runs([0, 0]) == [(0, 2)]
+
+
+def test_uncompressed_parts_are_views_of_the_gradients():
+    named = _named(4)
+    layout, parts = payload.encode_parts(hvd.Compression.none, named)
+    for (_, t), part in zip(named, parts):
+        assert np.shares_memory(part, t.numpy())
+    assert payload.part_sizes(pickle.loads(pickle.dumps(layout))) == [p.size for p in parts]

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..compression import NMCompressor, describe
+from ..compression import ClusterCompressor, NMCompressor, describe
 from ..compression.nm import nm as _nm
 
 Layout = List[Tuple[str, Any, bool, List[Tuple[str, Tuple[int, ...]]]]]
@@ -36,6 +36,10 @@ def decoder_spec(compression: Any) -> bytes:
     (its state, residuals, stays with the worker), else the compressor itself (a class or a plain object)."""
     if isinstance(compression, NMCompressor):
         return pickle.dumps(("nm", {"n": compression.n, "m": compression.m, "values": compression.values}))
+    if isinstance(compression, ClusterCompressor):  # the codebook travels in each payload; residuals stay
+        return pickle.dumps(("cluster", {"k": compression.k, "sample": compression.sample,
+                                         "buckets": compression.buckets, "values": compression.values,
+                                         "seed": compression.seed}))
     return pickle.dumps(("object", compression))
 
 
@@ -44,11 +48,13 @@ def build_decoder(spec: bytes) -> Any:
     kind, value = pickle.loads(spec)
     if kind == "nm":
         return _nm(value["n"], value["m"], value["values"], shared_mask=False, error_feedback=False)
+    if kind == "cluster":
+        return ClusterCompressor(error_feedback=False, **value)
     return value
 
 
 def _compress(compression: Any, name: str, tensor: torch.Tensor) -> Tuple[Any, Any]:
-    if isinstance(compression, NMCompressor):
+    if isinstance(compression, (NMCompressor, ClusterCompressor)):
         return compression.compress(tensor, name=name)  # its residuals are kept per gradient name
     return compression.compress(tensor)
 
@@ -60,6 +66,13 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 def encode(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Layout, np.ndarray]:
     """Compress each (name, gradient); return the layout and one uint8 buffer holding every payload part."""
+    layout, parts = encode_parts(compression, named)
+    return layout, np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def encode_parts(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Layout, List[np.ndarray]]:
+    """As ``encode``, but each payload part stays its own uint8 array (a view of the tensor's memory when it is
+    contiguous on the CPU: uncompressed gradients are sent without a copy)."""
     layout: Layout = []
     parts: List[np.ndarray] = []
     for name, tensor in named:
@@ -71,12 +84,16 @@ def encode(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple
                              f"for {name!r}")
         layout.append((name, ctx, is_tuple, [(str(p.dtype), tuple(p.shape)) for p in pieces]))
         parts.extend(_as_bytes(p) for p in pieces)
-    buffer = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-    return layout, buffer
+    return layout, parts
 
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def copy_ok_to_skip(buffer: np.ndarray) -> bool:
+    """Whether tensors may be views into ``buffer`` (a writable buffer received for this message alone)."""
+    return buffer.flags.writeable and buffer.flags.aligned
 
 
 def _from_bytes(buffer: np.ndarray, offset: int, dtype: str, shape: Tuple[int, ...]) -> Tuple[torch.Tensor, int]:
@@ -86,8 +103,11 @@ def _from_bytes(buffer: np.ndarray, offset: int, dtype: str, shape: Tuple[int, .
     if offset + nbytes > buffer.size:
         raise ValueError(f"a buffer of {buffer.size} bytes ends before a {dtype} tensor of shape {list(shape)} "
                          f"at byte {offset}")
-    raw = torch.from_numpy(buffer[offset:offset + nbytes].copy())
-    return raw.view(dt).reshape(shape), offset + nbytes
+    raw = buffer[offset:offset + nbytes]
+    size = torch.empty((), dtype=dt).element_size()
+    if offset % size or not copy_ok_to_skip(buffer):
+        raw = raw.copy()  # a view needs the element size's alignment (and a buffer nobody reuses)
+    return torch.from_numpy(raw).view(dt).reshape(shape), offset + nbytes
 
 
 def decode(decoder: Any, layout: Layout, buffer: np.ndarray) -> Dict[str, torch.Tensor]:
@@ -123,10 +143,93 @@ def unpack_into(buffer: np.ndarray, tensors: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"a parameter buffer holds {buffer.size} bytes, the model needs {offset}")
 
 
+# Parts below this size travel together (one small copy) so a model of many small tensors is not many messages;
+# larger ones travel as their own message, straight from (and into) the tensors' memory.
+SMALL_PART_BYTES = 64 * 1024
+
+
+def runs(sizes: Sequence[int], small: int = SMALL_PART_BYTES) -> List[Tuple[int, int]]:
+    """Group parts of ``sizes`` bytes into messages, as (first, end) index ranges: a large part alone, neighbouring
+    small parts together up to ``small`` bytes. Both ends compute it from the same sizes, so it is not sent."""
+    out: List[Tuple[int, int]] = []
+    i = 0
+    while i < len(sizes):
+        if sizes[i] >= small:
+            out.append((i, i + 1))
+            i += 1
+            continue
+        j, total = i, 0
+        while j < len(sizes) and sizes[j] < small and total + sizes[j] <= small:
+            total += sizes[j]
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def part_sizes(layout: Layout) -> List[int]:
+    """The byte size of each payload part a layout describes, in order."""
+    sizes = []
+    for _, _, _, pieces in layout:
+        for dtype, shape in pieces:
+            count = int(np.prod(shape)) if shape else 1
+            sizes.append(count * torch.empty((), dtype=_DTYPES[dtype]).element_size())
+    return sizes
+
+
+def send_parts(comm: Any, parts: Sequence[np.ndarray], dest: int, tag: int) -> List[Any]:
+    """Isend ``parts`` as ``runs`` groups them; returns the requests (the parts must stay untouched until done)."""
+    requests = []
+    for a, b in runs([p.size for p in parts]):
+        message = parts[a] if b - a == 1 else np.concatenate(parts[a:b])
+        requests.append(comm.Isend(message, dest=dest, tag=tag))
+    return requests
+
+
+def recv_parts(comm: Any, buffer: np.ndarray, sizes: Sequence[int], source: int, tag: int) -> None:
+    """Receive ``send_parts``'s messages into one buffer, back to back."""
+    offset = 0
+    for a, b in runs(sizes):
+        nbytes = sum(sizes[a:b])
+        comm.Recv(buffer[offset:offset + nbytes], source=source, tag=tag)
+        offset += nbytes
+
+
+def recv_into(comm: Any, tensors: Sequence[torch.Tensor], source: int, tag: int) -> int:
+    """Receive ``send_parts``'s messages of dense tensors straight into ``tensors`` (contiguous, on the CPU);
+    returns the bytes received."""
+    views = [_writable_bytes(t) for t in tensors]
+    total = 0
+    for a, b in runs([v.size for v in views]):
+        if b - a == 1:
+            comm.Recv(views[a], source=source, tag=tag)
+        else:
+            message = np.empty(sum(v.size for v in views[a:b]), np.uint8)
+            comm.Recv(message, source=source, tag=tag)
+            offset = 0
+            for v in views[a:b]:
+                v[...] = message[offset:offset + v.size]
+                offset += v.size
+        total += sum(v.size for v in views[a:b])
+    return total
+
+
+def _writable_bytes(t: torch.Tensor) -> np.ndarray:
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("parameters must be contiguous CPU tensors to receive into")
+    return t.detach().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def dense_parts(tensors: Sequence[torch.Tensor]) -> List[np.ndarray]:
+    """Each tensor's bytes as a uint8 view (the parameters a server sends, without packing them)."""
+    return [_as_bytes(t) for t in tensors]
+
+
 def packed_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """The size of ``pack(tensors)``."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-__all__ = ["check_compressor", "decoder_spec", "build_decoder", "encode", "decode", "pack", "unpack_into",
+__all__ = ["check_compressor", "decoder_spec", "build_decoder", "encode", "encode_parts", "decode", "pack",
+           "unpack_into", "runs", "part_sizes", "send_parts", "recv_parts", "recv_into", "dense_parts",
            "packed_bytes"]

@@ -6,6 +6,9 @@ them in the order they were sent (MPI keeps the order per sender and tag); a ser
 """
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -13,9 +16,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..config import settings
 from ..exceptions import StallError
 
-TAG_TO_SERVER = 7301     # worker -> server headers: hello, push, epoch, bye
+TAG_TO_SERVER = 7301     # worker -> server headers: hello, push, epoch, bye, save, state, load
 TAG_TO_SERVER_DATA = 7302  # worker -> server: a push's encoded gradients
-TAG_TO_WORKER = 7303     # server -> worker headers: params, error
+TAG_TO_WORKER = 7303     # server -> worker headers: params, saved, state, error
 TAG_TO_WORKER_DATA = 7304  # server -> worker: the parameters
 
 # Header kinds.
@@ -25,6 +28,10 @@ EPOCH = "epoch"    # the worker completed an epoch
 BYE = "bye"        # the worker shut down; the server stops waiting for it
 PARAMS = "params"  # the server's parameters (its shard) after the updates a push led to; data follows
 ERROR = "error"    # the server failed (a dead worker, a mismatched model); the message says why
+SAVE = "save"      # worker 0's ps.save(): write this server's state to the file named
+SAVED = "saved"    # the server wrote its state
+STATE = "state"    # a worker's state_dict(): send this server's state (request and reply); data follows the reply
+LOAD = "load"      # load_state_dict(): every worker sends one; worker 0's carries the state (or its file)
 
 
 @dataclass
@@ -52,6 +59,31 @@ def poll_until(probe: Callable[[], bool], deadline: float, what: Callable[[], st
         spins += 1
         if spins > 50 and nap > 0:  # spin briefly first: a reply is often already on its way
             time.sleep(nap)
+
+
+_exit_registered = False
+
+
+def exit_nonzero_without_finalize() -> None:
+    """Make this process end with status 1 and without MPI_Finalize, once its error has been printed.
+
+    After a peer died, MPI_Finalize can wait for it forever; a process that saw the job fail must neither hang
+    there nor report success. Registered once, on the first fatal error (Python runs it before MPI's own exit
+    hook, and after printing an uncaught exception's traceback)."""
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+
+    def _exit() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
+
+    atexit.register(_exit)
 
 
 def server_ranks(num_servers: int) -> List[int]:

@@ -5,13 +5,16 @@ rather than a hang), feeds each arrival to the policy of ``sync.py``, runs the o
 lists and sends the new parameters to the workers it names. Everything it does is a function of the order in which
 messages arrive.
 
-Optimizer: for ``bsp`` and ``ssp`` the server builds the wrapped optimizer's own class with the worker's param-group
-hyper-parameters, so momentum, Adam or weight decay act as they would locally. For ``asp`` and ``adaptive`` it
-applies plain SGD steps (``W <- W - lr * g``, the lr of the pushing worker's group): momentum accumulated over
-gradients from different, stale parameter versions makes asynchronous training diverge.
+Optimizer: in every mode the server builds the wrapped optimizer's own class with the workers' param-group
+hyper-parameters, so momentum, Adam or weight decay act as they would locally. Before each optimizer step it sets
+the numeric hyper-parameters (lr, momentum, betas, weight_decay, ...) of the push that completed the update, so a
+worker's LR scheduler steers the server. Under asp, ssp and adaptive the optimizer's state (momentum buffer,
+Adam's moments) is one state fed by every worker's gradients in arrival order, each computed on the parameters
+that worker last pulled: see docs/ps.md for what that means for momentum.
 """
 from __future__ import annotations
 
+import io
 import time
 from typing import Any, Dict, List, Optional
 
@@ -23,6 +26,35 @@ from ..exceptions import FusionRingError, StallError, TensorMismatchError
 from . import payload, protocol
 from .protocol import Header
 from .sync import Decision, make_policy
+
+
+def numeric_hyper(value: Any) -> bool:
+    """A hyper-parameter a push may change on the server: a number, or a tuple of numbers (Adam's betas)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, tuple) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+def set_hyper(group: dict, hyper: dict) -> None:
+    """Copy a push's numeric hyper-parameters into an optimizer param group (keys the group already has)."""
+    for key, value in hyper.items():
+        if key != "params" and key in group and numeric_hyper(value):
+            group[key] = value
+
+
+def weighted_sum(grads: List[torch.Tensor], weights: List[float], dtype: torch.dtype) -> torch.Tensor:
+    """``sum(w * g)`` in list order, the one way the server (and a replay) combines an update's gradients."""
+    if len(grads) == 1 and weights[0] == 1.0:
+        return grads[0].to(dtype)
+    # (w * g) rounded, then added: the plain definition, not a fused multiply-add, so a replay in one process
+    # (or a reference in numpy) reproduces it bit for bit
+    total = None
+    for g, w in zip(grads, weights):
+        term = g.to(dtype) * w
+        total = term if total is None else total.add_(term)
+    return total
 
 
 class Server:
@@ -42,12 +74,19 @@ class Server:
         self.grads: Dict[int, Dict[str, torch.Tensor]] = {}
         self.hyper: Dict[int, List[dict]] = {}
         self.pushes = {k: 0 for k in range(self.num_workers)}
+        self.epochs = {k: 0 for k in range(self.num_workers)}
         self.sent_version = {k: 0 for k in range(self.num_workers)}
         self.staleness = {k: 0 for k in range(self.num_workers)}
         self.version = 0
         self.changes: List[dict] = []
         self.requests: List[Any] = []
+        self.loading: Dict[int, Any] = {}      # workers that sent load_state_dict(), worker 0's state
         self.timeline = None
+        self.record: Optional[dict] = None
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.push_buffers: Dict[int, np.ndarray] = {}
+        self.param_sends: List[tuple] = []     # (request, worker): parameters sent from their own memory
 
     # ------------------------------------------------------------------ messaging
     def _worker_rank(self, k: int) -> int:
@@ -58,11 +97,13 @@ class Server:
         self.requests.append(self.comm.isend(header, dest=dest, tag=protocol.TAG_TO_WORKER))
         if data is not None:
             self.requests.append(self.comm.Isend(data, dest=dest, tag=protocol.TAG_TO_WORKER_DATA))
+            self.bytes_sent += data.size
         if len(self.requests) > 64:
             self.requests = [r for r in self.requests if not r.Test()]
 
     def _fail(self, error: Exception) -> None:
-        """Tell every worker still there, then raise ``error``."""
+        """Tell every worker still there, then raise ``error`` (the process will exit with status 1)."""
+        protocol.exit_nonzero_without_finalize()
         for k in sorted(self.active):
             try:
                 self._send(k, Header(protocol.ERROR, {"message": f"server rank {self.rank}: {error}",
@@ -81,10 +122,20 @@ class Server:
         header: Header = self.comm.recv(source=source, tag=protocol.TAG_TO_SERVER)
         data = None
         nbytes = header.fields.get("nbytes")
-        if nbytes is not None:
+        k = source - self.num_servers
+        if nbytes is not None and header.kind == protocol.PUSH:
+            # one buffer per worker, reused: the decoded gradients are views into it, and a worker pushes again
+            # only after its reply, which comes after its gradient was applied
+            data = self.push_buffers.get(k)
+            if data is None or data.size != nbytes:
+                data = self.push_buffers[k] = np.empty(nbytes, dtype=np.uint8)
+            payload.recv_parts(self.comm, data, payload.part_sizes(header.fields["layout"]), source,
+                               protocol.TAG_TO_SERVER_DATA)
+            self.bytes_received += nbytes
+        elif nbytes is not None:
             data = np.empty(nbytes, dtype=np.uint8)
             self.comm.Recv(data, source=source, tag=protocol.TAG_TO_SERVER_DATA)
-        k = source - self.num_servers
+            self.bytes_received += nbytes
         self.last_heard[k] = time.monotonic()
         return k, header, data
 
@@ -93,18 +144,22 @@ class Server:
         from mpi4py import MPI
         status = MPI.Status()
         spins = 0
+        # before the first hello, workers are still importing and building their models: allow the longer of
+        # the two limits; once training runs, the stall limit applies
+        limit = max(self.timeout, float(settings().ps_timeout_s)) if waiting_for_hello else self.timeout
         while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER, status=status):
             spins += 1
             if spins % 64 == 0:
                 now = time.monotonic()
-                silent = [k for k in sorted(self.active - self.held) if now - self.last_heard[k] > self.timeout]
+                # longest silent first: the worker that died, not the ones blocked behind it
+                silent = sorted((k for k in self.active - self.held if now - self.last_heard[k] > limit),
+                                key=lambda k: (self.last_heard[k], k))
                 if silent:
-                    ranks = [self._worker_rank(k) for k in silent]
                     what = "sent no model description" if waiting_for_hello else "sent nothing"
                     self._fail(StallError(
-                        f"worker {silent[0]} (rank {ranks[0]}) {what} for {self.timeout:g} s: it died or exited "
-                        f"without ps.shutdown() (silent workers: {silent}; limit: FUSIONRING_STALL_SHUTDOWN_S "
-                        f"or FUSIONRING_PS_TIMEOUT_S)"))
+                        f"worker {silent[0]} (rank {self._worker_rank(silent[0])}) {what} for {limit:g} s: it "
+                        f"died or exited without ps.shutdown() (silent workers: {sorted(silent)}; limit: "
+                        f"FUSIONRING_STALL_SHUTDOWN_S or FUSIONRING_PS_TIMEOUT_S)"))
                 if self.nap > 0:
                     time.sleep(self.nap)
         return self._receive(status)
@@ -144,11 +199,16 @@ class Server:
         if settings().timeline_path:
             from ..timeline import Timeline
             self.timeline = Timeline(f"{settings().timeline_path}.ps{self.rank}")
-        packed = self._packed()
+        if settings().ps_record_path:
+            self.record = {"names": list(self.names), "sync": ref["sync"], "staleness": ref["staleness"],
+                           "slack": ref["slack"], "num_workers": self.num_workers, "optimizer": ref["optimizer"],
+                           "groups": ref["groups"], "initial": {n: t.clone() for n, t in self.params.items()},
+                           "events": []}
+        parts = self._param_parts()
         for k in range(self.num_workers):
-            self._reply(k, packed)
+            self._reply(k, parts)
 
-    def _build_optimizer(self, optimizer_class: type, groups: List[dict]) -> torch.optim.Optimizer:
+    def _build_optimizer(self, optimizer_class: type, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
         own = set(self.names)
         self.group_names: List[List[str]] = []
         built = []
@@ -156,58 +216,76 @@ class Server:
             mine = [n for n in g["names"] if n in own]
             if not mine:
                 continue
-            hyper = dict(g["hyper"])
-            if self.sync in ("asp", "adaptive"):
-                hyper = {"lr": hyper.get("lr", 0.01)}  # plain SGD: see the module's docstring
-            built.append({"params": [self.params[n] for n in mine], **hyper})
+            built.append({"params": [self.params[n] for n in mine], **g["hyper"]})
             self.group_names.append(mine)
         self.group_index = [i for i, g in enumerate(groups) if any(n in own for n in g["names"])]
         if not built:  # more servers than parameters: this one holds none
             return None
-        cls = torch.optim.SGD if self.sync in ("asp", "adaptive") else optimizer_class
-        return cls(built)
+        try:
+            return optimizer_class(built)
+        except Exception as e:  # an optimizer that cannot be rebuilt from its param groups
+            self._fail(ValueError(f"optimizer: the server cannot build {optimizer_class.__name__} from the "
+                                  f"workers' param groups: {e}"))
 
     # ------------------------------------------------------------------ updates and replies
-    def _packed(self) -> np.ndarray:
-        return payload.pack([self.params[n] for n in self.names])
+    def _param_parts(self) -> List[np.ndarray]:
+        return payload.dense_parts([self.params[n] for n in self.names])
 
-    def _reply(self, k: int, packed: np.ndarray) -> None:
+    def _reply(self, k: int, parts: List[np.ndarray], extra: Optional[dict] = None) -> None:
+        """Send the parameters to worker ``k`` straight from their memory (``_settle_param_sends`` guards it)."""
         active = [self.pushes[j] for j in self.active]
         ahead = self.pushes[k] - min(active) if active else 0
+        nbytes = sum(p.size for p in parts)
         fields = {"version": self.version, "held": k in self.held, "ahead": ahead,
-                  "staleness": self.staleness[k], "changes": list(self.changes), "nbytes": packed.size}
+                  "staleness": self.staleness[k], "changes": list(self.changes), "nbytes": nbytes,
+                  **(extra or {})}
         self.held.discard(k)
         self.sent_version[k] = self.version
         self.last_heard[k] = time.monotonic()  # it computes from now on
-        self._send(k, Header(protocol.PARAMS, fields), packed)
+        self._send(k, Header(protocol.PARAMS, fields))
+        dest = self._worker_rank(k)
+        self.param_sends.extend((r, k) for r in payload.send_parts(self.comm, parts, dest,
+                                                                   protocol.TAG_TO_WORKER_DATA))
+        self.bytes_sent += nbytes
+
+    def _settle_param_sends(self) -> None:
+        """Wait until every worker has the parameters sent to it, before they change (no copy was made). The
+        workers are waiting for them, so this is short; a worker that stopped receiving is an error."""
+        deadline = time.monotonic() + self.timeout
+        while self.param_sends:
+            self.param_sends = [(r, k) for r, k in self.param_sends if not r.Test()]
+            if self.param_sends and time.monotonic() > deadline:
+                late = sorted({k for _, k in self.param_sends})
+                self.param_sends = []
+                self._fail(StallError(f"worker {late[0]} (rank {self._worker_rank(late[0])}) did not take the "
+                                      f"parameters sent to it for {self.timeout:g} s: it died or stopped "
+                                      f"(workers: {late})"))
 
     def _apply(self, decision: Decision) -> None:
         for update in decision.updates:
+            self._settle_param_sends()
             if self.optimizer is not None:
                 last = update[-1][0]
                 for index, group in zip(self.group_index, self.optimizer.param_groups):
-                    group["lr"] = self.hyper[last][index]["lr"]
-                    if self.sync in ("bsp", "ssp"):
-                        for key, value in self.hyper[last][index].items():
-                            if key in group and isinstance(value, (int, float)) and not isinstance(value, bool):
-                                group[key] = value
+                    set_hyper(group, self.hyper[last][index])
                 with torch.no_grad():
                     for n in self.names:
-                        total = None
-                        for k, weight in update:
-                            g = self.grads[k][n].to(self.params[n].dtype)
-                            total = g * weight if total is None else total.add_(g, alpha=weight)
-                        self.params[n].grad = total
+                        p = self.params[n]
+                        # with layer selection a push may leave a parameter out: it counts as zero in this
+                        # update (its gradient waits on the worker), and with no gradient the optimizer skips it
+                        terms = [(self.grads[k][n], w) for k, w in update if n in self.grads[k]]
+                        p.grad = weighted_sum([g for g, _ in terms], [w for _, w in terms], p.dtype) \
+                            if terms else None
                 self.optimizer.step()
             for k, _ in update:
                 self.staleness[k] = self.version - self.sent_version[k]
                 self.grads.pop(k, None)
             self.version += 1
         if decision.reply:
-            packed = self._packed()
+            parts = self._param_parts()
             for k in decision.reply:
                 if k in self.active:
-                    self._reply(k, packed)
+                    self._reply(k, parts)
         self._note_changes()
 
     def _note_changes(self) -> None:
@@ -221,6 +299,59 @@ class Server:
                 self.timeline.mark(f"sync group {change['sync_group']} s={change['s']} "
                                    f"at update {change['update']}")
 
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict:
+        """Parameters, optimizer state and bookkeeping; gradients still in flight (a bsp round or an adaptive
+        list not yet aggregated) are not part of it: their workers compute them again after a resume."""
+        iterations = {k: self.pushes[k] - (1 if k in self.grads else 0) for k in range(self.num_workers)}
+        return {"server": self.rank, "names": list(self.names), "sync": self.sync, "num_workers": self.num_workers,
+                "params": {n: t.detach().clone() for n, t in self.params.items()},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "version": self.version, "iterations": iterations, "epochs": dict(self.epochs),
+                "policy": self.policy.state(), "changes": [dict(c) for c in self.changes]}
+
+    def _load(self, state: Any) -> None:
+        """Restore ``state()`` (or the file ``ps.save`` wrote it to) once every worker asked for it."""
+        if isinstance(state, str):
+            try:
+                state = torch.load(state, weights_only=False)
+            except Exception as e:
+                self._fail(FusionRingError(f"load_state_dict(): server rank {self.rank} cannot read {state}: {e}"))
+        if state.get("names") != self.names:
+            self._fail(ValueError(f"load_state_dict(): the saved state of server rank {state.get('server')} holds "
+                                  f"parameters {state.get('names')}, this server holds {self.names}"))
+        for key, mine in (("sync", self.sync), ("num_workers", self.num_workers)):
+            if state[key] != mine:
+                self._fail(ValueError(f"load_state_dict(): the state was saved with {key}={state[key]!r}, this "
+                                      f"job has {key}={mine!r}"))
+        self._settle_param_sends()
+        with torch.no_grad():
+            for n in self.names:
+                self.params[n].copy_(state["params"][n])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.pushes = {int(k): int(v) for k, v in state["iterations"].items()}
+        self.epochs = {int(k): int(v) for k, v in state["epochs"].items()}
+        self.sent_version = {k: self.version for k in range(self.num_workers)}
+        self.staleness = {k: 0 for k in range(self.num_workers)}
+        self.policy.load_state(state["policy"])
+        self.changes = [dict(c) for c in state["changes"]]
+
+    def _on_load(self, k: int, fields: dict) -> None:
+        if any(self.pushes[j] for j in range(self.num_workers)) and not self.loading:
+            self._fail(FusionRingError(f"worker {k} called load_state_dict() after training started: every worker "
+                                       f"calls it right after building ps.DistributedOptimizer, before step()"))
+        self.loading[k] = fields.get("state")
+        if set(self.loading) >= self.active:
+            self._load(self.loading[0])
+            self.loading = {}
+            if self.record is not None:
+                self.record["events"].append(("load", 0, self.state()))
+            parts = self._param_parts()
+            for j in sorted(self.active):
+                self._reply(j, parts, {"iteration": self.pushes[j], "epoch": self.epochs[j]})
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Serve until every worker has said bye."""
@@ -229,26 +360,54 @@ class Server:
             k, header, data = self._next_message()
             f = header.fields
             if header.kind == protocol.PUSH:
-                self.grads[k] = payload.decode(self.decoders[k], f["layout"], data)
+                if self.loading:
+                    self._fail(FusionRingError(f"worker {k} pushed a gradient while workers {sorted(self.loading)} "
+                                               f"wait in load_state_dict(): every worker must call it"))
+                grads = payload.decode(self.decoders[k], f["layout"], data)
+                self.grads[k] = grads
                 self.hyper[k] = f["hyper"]
                 self.pushes[k] += 1
+                if self.record is not None:
+                    self.record["events"].append(("push", k, f["iteration"], f["hyper"],
+                                                   {n: g.clone() for n, g in grads.items()}))
                 decision = self.policy.push(k, f["iteration"])
                 if k not in decision.reply:
                     self.held.add(k)
                 self._apply(decision)
             elif header.kind == protocol.EPOCH:
+                self.epochs[k] = f["epoch"]
+                if self.record is not None:
+                    self.record["events"].append(("epoch", k, f["epoch"]))
                 self._apply(self.policy.end_epoch(k, f["epoch"]))
             elif header.kind == protocol.BYE:
                 self.active.discard(k)
                 self.held.discard(k)
                 self.grads.pop(k, None)
+                self.loading.pop(k, None)
+                if self.record is not None:
+                    self.record["events"].append(("bye", k))
                 self._apply(self.policy.leave(k))
+            elif header.kind == protocol.SAVE:
+                torch.save(self.state(), f["path"])
+                self._send(k, Header(protocol.SAVED, {"path": f["path"]}))
+            elif header.kind == protocol.STATE:
+                buffer = io.BytesIO()
+                torch.save(self.state(), buffer)
+                state = np.frombuffer(buffer.getbuffer(), dtype=np.uint8).copy()
+                self._send(k, Header(protocol.STATE, {"nbytes": state.size}), state)
+            elif header.kind == protocol.LOAD:
+                self._on_load(k, f)
             else:
                 self._fail(FusionRingError(f"worker {k} sent an unexpected {header.kind!r} message"))
+        self._settle_param_sends()
         for r in self.requests:
             r.Wait()
         if self.timeline is not None:
             self.timeline.close()
+        if self.record is not None:
+            self.record["final"] = {n: t.detach().clone() for n, t in self.params.items()}
+            self.record["bytes_received"], self.record["bytes_sent"] = self.bytes_received, self.bytes_sent
+            torch.save(self.record, f"{settings().ps_record_path}.server{self.rank}")
 
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}

@@ -47,6 +47,13 @@ class BSP:
     def end_epoch(self, worker: int, epoch: int) -> Decision:
         return Decision()
 
+    def state(self) -> dict:
+        """The bookkeeping a resumed job needs (gradients still in flight are not part of it)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state()``'s bookkeeping."""
+
 
 class ASP:
     """Apply each gradient on arrival and reply to its worker."""
@@ -63,6 +70,12 @@ class ASP:
 
     def end_epoch(self, worker: int, epoch: int) -> Decision:
         return Decision()
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
 
 
 class SSP:
@@ -93,6 +106,13 @@ class SSP:
 
     def end_epoch(self, worker: int, epoch: int) -> Decision:
         return Decision()
+
+    def state(self) -> dict:
+        return {"iters": dict(self.iters)}
+
+    def load_state(self, state: dict) -> None:
+        self.iters = {int(k): int(v) for k, v in state["iters"].items()}
+        self.held = []
 
 
 class Adaptive:
@@ -167,6 +187,19 @@ class Adaptive:
             if self.list and (not group or {k for k, _ in self.list} >= set(group)):
                 return self._flush()
         return Decision()
+
+
+    def state(self) -> dict:
+        # the aggregation list holds gradients in flight: a resumed job starts with an empty list
+        return {"epochs": dict(self.epochs), "group": list(self.group), "updates": self.updates,
+                "changes": [dict(c) for c in self.changes]}
+
+    def load_state(self, state: dict) -> None:
+        self.epochs = {int(k): int(v) for k, v in state["epochs"].items()}
+        self.group = list(state["group"])
+        self.updates = int(state["updates"])
+        self.changes = [dict(c) for c in state["changes"]]
+        self.list, self.counter = [], 0
 
 
 def make_policy(sync: str, num_workers: int, staleness: int = 3, slack: Optional[float] = None):

@@ -7,6 +7,8 @@ new parameters; the wrapped optimizer itself never steps on the worker.
 """
 from __future__ import annotations
 
+import io
+import os
 import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -15,11 +17,13 @@ import numpy as np
 import torch
 
 from ..compression import Compression
+from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from . import payload, protocol
 from .protocol import Header
 from .sync import SYNC_MODES
 
+STATE_FORMAT = "fusionring.ps.state/1"
 _ERRORS = {"StallError": StallError, "TensorMismatchError": TensorMismatchError, "ValueError": ValueError}
 
 
@@ -114,17 +118,47 @@ def shutdown() -> None:
     job.closed = True
 
 
-def _wait_reply(job: _Job, server: int, deadline: float) -> Tuple[Header, Optional[np.ndarray]]:
+def save(path: str) -> None:
+    """Checkpoint the job: on worker 0, ask every server to write its parameters, optimizer state and sync
+    bookkeeping to ``<path>.server<s>`` and write ``path``, the index a new job loads with
+    ``opt.load_state_dict(torch.load(path))``. On other workers it does nothing, so every worker may call it."""
+    job = _require_worker("ps.save()")
+    opt = job.optimizer
+    if opt is None:
+        raise FusionRingError("ps.save() before ps.DistributedOptimizer: there is nothing on the servers yet")
+    if job.rank != job.num_servers:
+        return
+    path = os.path.abspath(os.fspath(path))
+    files = [f"{path}.server{server}" for server in range(len(opt._shards))]
+    opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
+    torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files},
+               path)
+
+
+def _wait_reply(job: _Job, server: int, deadline: float,
+                expect: str = protocol.PARAMS) -> Tuple[Header, Optional[np.ndarray]]:
     """The next reply from ``server``; its error message raised as an error; silence past ``deadline`` an error."""
     from mpi4py import MPI
     status = MPI.Status()
-    protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
-                        deadline, lambda: f"server rank {server} did not answer worker {job.rank - job.num_servers} "
-                                          f"in {protocol.timeout_s() * 2:g} s: it died or stopped")
+    try:
+        protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
+                            deadline, lambda: f"server rank {server} did not answer worker "
+                                              f"{job.rank - job.num_servers} in {protocol.timeout_s() * 2:g} s: "
+                                              f"it died or stopped")
+    except StallError:
+        job.closed = True
+        protocol.exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
+        raise
     header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
     if header.kind == protocol.ERROR:
         job.closed = True
+        protocol.exit_nonzero_without_finalize()
         raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
+    if header.kind != expect:
+        raise FusionRingError(f"server rank {server} answered {header.kind!r} where worker "
+                              f"{job.rank - job.num_servers} expected {expect!r}")
+    if "nbytes" not in header.fields or header.kind == protocol.PARAMS:
+        return header, None  # parameters are received straight into the model (DistributedOptimizer)
     data = np.empty(header.fields["nbytes"], dtype=np.uint8)
     job.comm.Recv(data, source=server, tag=protocol.TAG_TO_WORKER_DATA)
     job.stats["bytes_received"] += data.size
@@ -138,11 +172,13 @@ class DistributedOptimizer:
     ``sync``: "bsp" | "asp" | "ssp" | "adaptive" (see docs/ps.md); ``staleness``: ssp's bound in iterations;
     ``slack``: adaptive's slack factor (None: ``sync.DEFAULT_SLACK``); ``compression``: any fusionring compressor
     (per-rank payloads are decoded on arrival; a shared N:M mask is refused).
+    ``layer_selection``: a ``LayerSelection`` (as for ``fusionring.torch.DistributedOptimizer``): each worker pushes
+    only its own top-k layers, the others accumulate on the worker (error feedback) and travel later.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  sync: str = "adaptive", staleness: int = 3, slack: Optional[float] = None,
-                 compression: Any = Compression.none) -> None:
+                 compression: Any = Compression.none, layer_selection: Any = None) -> None:
         job = _require_worker("ps.DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -171,6 +207,13 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.sync, self.staleness, self.slack = sync, staleness, slack
         self.compression = compression
+        # each worker picks its own layers (no agreement, as the server decodes every push on its own); the
+        # layers it does not send wait in the selection's accumulator (error feedback)
+        self.layer_selection = layer_selection
+        if layer_selection is not None:
+            if not callable(getattr(layer_selection, "attach", None)):
+                raise ValueError(f"layer_selection: {layer_selection!r} is not a LayerSelection")
+            layer_selection.attach(named)
         self._job = job
         self._named = named
         self._params = dict(named)
@@ -180,6 +223,7 @@ class DistributedOptimizer:
         self._shards = protocol.shard_names(names, nbytes, job.num_servers)
         self._iteration = 0
         self._epoch = 0
+        self._in_flight: List[np.ndarray] = []
         groups = [{"names": gn, "hyper": self._hyper(g)} for gn, g in zip(self._group_names, optimizer.param_groups)]
         spec = payload.decoder_spec(compression)
         for server, shard in enumerate(self._shards):
@@ -191,7 +235,7 @@ class DistributedOptimizer:
                 fields["nbytes"] = data.size
             self._send(server, Header(protocol.HELLO, fields), data)
         job.optimizer = self
-        self._receive_params()
+        self._receive_params(first=True)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's face
     @property
@@ -213,12 +257,22 @@ class DistributedOptimizer:
             job.requests.append(job.comm.Isend(data, dest=server, tag=protocol.TAG_TO_SERVER_DATA))
             job.stats["bytes_sent"] += data.size
 
-    def _receive_params(self) -> None:
+    def _receive_params(self, first: bool = False) -> List[Header]:
         job = self._job
-        deadline = time.monotonic() + 2 * protocol.timeout_s()  # past the server's own limit on a dead peer
+        limit = protocol.timeout_s()
+        if first:  # the server waits for every worker's model description with the longer limit
+            limit = max(limit, float(settings().ps_timeout_s))
+        deadline = time.monotonic() + 2 * limit  # past the server's own limit on a dead peer
+        headers = []
         for server, shard in enumerate(self._shards):
-            header, data = _wait_reply(job, server, deadline)
-            payload.unpack_into(data, [self._params[n].data for n in shard])
+            header, _ = _wait_reply(job, server, deadline)
+            headers.append(header)
+            received = payload.recv_into(job.comm, [self._params[n].data for n in shard], server,
+                                         protocol.TAG_TO_WORKER_DATA)
+            if received != header.fields["nbytes"]:
+                raise FusionRingError(f"server rank {server} sent {header.fields['nbytes']} bytes of parameters, "
+                                      f"worker {job.rank - job.num_servers} received {received}")
+            job.stats["bytes_received"] += received
             f = header.fields
             if self._iteration > 0:
                 job.stats["waits"] += int(f["held"])
@@ -231,6 +285,8 @@ class DistributedOptimizer:
         for r in job.requests:
             r.Wait()
         job.requests = []
+        self._in_flight = []  # the gradients' memory may change again
+        return headers
 
     # ------------------------------------------------------------------ training
     def step(self, closure: Any = None) -> Optional[float]:
@@ -242,17 +298,78 @@ class DistributedOptimizer:
                 loss = closure()
         self._iteration += 1
         hyper = [self._hyper(g) for g in self.optimizer.param_groups]
+        dense = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named}
+        sending = self._select(dense) if self.layer_selection is not None else dense
         for server, shard in enumerate(self._shards):
-            grads = []
-            for n in shard:
-                p = self._params[n]
-                grads.append((n, p.grad if p.grad is not None else torch.zeros_like(p)))
-            layout, data = payload.encode(self.compression, grads)
+            grads = [(n, sending[n]) for n in shard if n in sending]
+            layout, parts = payload.encode_parts(self.compression, grads)
+            nbytes = sum(p.size for p in parts)
             self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
-                                                      "layout": layout, "nbytes": data.size}), data)
+                                                      "layout": layout, "nbytes": nbytes}), None)
+            job.requests.extend(payload.send_parts(job.comm, parts, server, protocol.TAG_TO_SERVER_DATA))
+            self._in_flight.extend(parts)  # sent from this memory: keep it alive until the sends complete
+            job.stats["bytes_sent"] += nbytes
         job.stats["pushes"] += 1
         self._receive_params()
         return loss
+
+    # ------------------------------------------------------------------ state
+    def _ask_servers(self, kind: str, fields_per_server: List[dict], expect: str) -> List[Tuple[Header, Any]]:
+        job = self._job
+        for server in range(len(self._shards)):
+            self._send(server, Header(kind, fields_per_server[server]), None)
+        deadline = time.monotonic() + 2 * protocol.timeout_s()
+        replies = [_wait_reply(job, server, deadline, expect) for server in range(len(self._shards))]
+        for r in job.requests:
+            r.Wait()
+        job.requests = []
+        return replies
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every server's state (its parameters, optimizer state, sync bookkeeping) as one dict; give it to
+        ``load_state_dict`` in a new job. Gradients still in flight (pushed but not yet applied) are not part
+        of it."""
+        _require_worker("DistributedOptimizer.state_dict()")
+        replies = self._ask_servers(protocol.STATE, [{} for _ in self._shards], protocol.STATE)
+        servers = [torch.load(io.BytesIO(data.tobytes()), weights_only=False) for _, data in replies]
+        worker = {"layer_selection": self.layer_selection.state_dict()} if self.layer_selection is not None else {}
+        return {"format": STATE_FORMAT, "num_servers": len(self._shards), "shards": self._shards,
+                "servers": servers, "worker": worker}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` or from the file ``ps.save`` wrote (``torch.load(path)``). Every worker
+        calls it, right after building this optimizer and before its first ``step()``; the servers take worker
+        0's state (a saved file is read by each server itself) and answer every worker with the restored
+        parameters, its iteration and epoch count."""
+        job = _require_worker("DistributedOptimizer.load_state_dict()")
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+            raise ValueError("state_dict: not a parameter-server state (from DistributedOptimizer.state_dict() or "
+                             "torch.load() of ps.save()'s file)")
+        if state_dict["num_servers"] != len(self._shards) or state_dict["shards"] != self._shards:
+            raise ValueError(f"state_dict: saved with {state_dict['num_servers']} servers holding "
+                             f"{state_dict['shards']}, this job has {len(self._shards)} holding {self._shards}")
+        mine = job.rank == job.num_servers
+        for server in range(len(self._shards)):
+            fields = {"state": state_dict["servers"][server]} if mine else {}
+            self._send(server, Header(protocol.LOAD, fields), None)
+        headers = self._receive_params(first=True)
+        self._iteration = int(headers[0].fields["iteration"])
+        self._epoch = int(headers[0].fields["epoch"])
+        worker = state_dict.get("worker") or {}
+        if self.layer_selection is not None and "layer_selection" in worker:
+            self.layer_selection.load_state_dict(worker["layer_selection"])
+
+    def _select(self, dense: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """This worker's own top-k layers: their gradients plus what they kept back travel; the others wait."""
+        sel = self.layer_selection
+        summed = {n: sel.acc.add(n, g.detach()) for n, g in dense.items() if n in sel.params}
+        chosen = sel.choose(sel.scores(summed))
+        sel.step_count += 1
+        sent = {n for i in chosen for n in sel.layers[i]}
+        sel.acc.settle(chosen, sel.layers, summed)
+        out = {n: g for n, g in summed.items() if n in sent}
+        out.update({n: g for n, g in dense.items() if n not in sel.params})  # parameters it does not select
+        return out
 
     def end_epoch(self) -> None:
         """Tell the servers this worker completed an epoch (adaptive mode re-decides its groups on these)."""

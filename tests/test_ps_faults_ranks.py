@@ -1,0 +1,108 @@
+"""Faults under the parameter server: a worker that dies mid-training, a worker that finishes early."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT, mpiexec_path, run_ranks
+
+DIES = r'''
+import os, sys, time, torch
+from fusionring import ps
+ps.init(num_servers=1)
+k = ps.worker_rank()
+model = torch.nn.Linear(3, 1)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              named_parameters=model.named_parameters(), sync=sys.argv[1])
+for step in range(100000):
+    if k == 1 and step == 3:
+        os._exit(1)  # dies: no ps.shutdown(), no MPI_Finalize
+    opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
+    time.sleep(0.005)
+'''
+
+
+def _launch(tmp_path, code, args, extra, timeout):
+    script = tmp_path / "dies.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               FUSIONRING_STALL_SHUTDOWN_S="3", PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec_path(), *extra, "-n", "3", sys.executable, str(script), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _hydra() -> bool:
+    out = subprocess.run([mpiexec_path(), "--version"], capture_output=True, text=True).stdout
+    return "HYDRA" in out.upper()
+
+
+@pytest.mark.parametrize("sync", ["bsp", "asp"])
+def test_a_dead_worker_fails_the_server_and_the_others_naming_it(tmp_path, sync):
+    if not _hydra():
+        pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the other ranks running)")
+    # the launcher leaves the survivors running, so the parameter server itself must notice the death
+    rc, output, took = _launch(tmp_path, DIES, [sync], ["-disable-auto-cleanup"], timeout=120)
+    assert rc != 0
+    # the server, and worker 0 through the server's message, name the dead worker
+    assert output.count("worker 1 (rank 2) sent nothing for 3 s") >= 2, output[-3000:]
+    assert "server rank 0: worker 1 (rank 2)" in output
+    assert took < 100
+
+
+def test_a_dead_worker_under_the_default_launcher_ends_the_job(tmp_path):
+    rc, output, took = _launch(tmp_path, DIES, ["bsp"], [], timeout=120)
+    assert rc != 0 and took < 100
+
+
+EARLY = r'''
+import atexit, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 1:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=1)
+W, k = ps.num_workers(), ps.worker_rank()
+steps_of = lambda j: 3 if j == 1 else 8   # worker 1 has fewer batches
+
+def batch(worker, step):
+    g = torch.Generator().manual_seed(100 * step + worker)
+    return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 2)
+
+model, ref = build(), build()
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                              named_parameters=model.named_parameters(), sync="bsp")
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+for step in range(steps_of(k)):
+    x, y = batch(k, step)
+    opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+for step in range(8):   # the reference: the average over the workers still training at each step
+    grads = []
+    for j in [j for j in range(W) if step < steps_of(j)]:
+        ref.zero_grad(); xj, yj = batch(j, step)
+        torch.nn.functional.mse_loss(ref(xj), yj).backward()
+        grads.append([p.grad.clone() for p in ref.parameters()])
+    for i, p in enumerate(ref.parameters()):
+        p.grad = sum(g[i] for g in grads) / len(grads)
+    ref_opt.step()
+s = ps.stats()
+ps.shutdown()
+report({"pushes": s["pushes"], "diff": max((a - b).abs().max().item()
+                                            for a, b in zip(model.parameters(), ref.parameters()))})
+'''
+
+
+def test_a_worker_that_finishes_early_leaves_the_bsp_round_cleanly(tmp_path):
+    results = run_ranks(4, EARLY, tmp_path, timeout=120)
+    assert results[0] == {"server": True}
+    assert [r["pushes"] for r in results[1:]] == [8, 3, 8]
+    for k in (1, 3):  # the workers that ran to the end match the reference
+        assert results[k]["diff"] < 1e-6, results[k]

@@ -1,0 +1,85 @@
+"""A recorded arrival order (FUSIONRING_PS_RECORD) replayed in one process through the sync policy and the
+optimizer gives the server's parameters bit for bit, under asp, ssp and adaptive with a slowed worker."""
+import pytest
+import torch
+
+from conftest import run_ranks
+from fusionring.ps.sync import make_policy
+
+SCRIPT = r'''
+import atexit, time, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 1:
+    atexit.register(report, {{"server": True}})
+ps.init(num_servers=1)
+k, W = ps.worker_rank(), ps.num_workers()
+torch.manual_seed(k)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.8),
+                              named_parameters=model.named_parameters(), sync="{sync}", staleness=2, slack=1)
+gen = torch.Generator().manual_seed(10 + k)
+for epoch in range(6):
+    for step in range(5):
+        if k == W - 1:
+            time.sleep(0.02)  # the straggler
+        opt.param_groups[0]["lr"] = 0.05 / (1 + 0.1 * epoch)  # a schedule the server must follow
+        x = torch.randn(8, 6, generator=gen)
+        opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    opt.end_epoch()
+s = ps.stats()
+ps.shutdown()
+report({{"version": s["version"], "bits": [p.detach().numpy().tobytes().hex() for p in model.parameters()],
+        "changes": len(s["group_changes"])}})
+'''
+
+
+def replay(record):
+    """One process: the recorded events through a fresh policy and a fresh optimizer, as the rules say."""
+    names = record["names"]
+    params = {n: record["initial"][n].clone() for n in names}
+    groups = [{"params": [params[n] for n in g["names"]], **g["hyper"]} for g in record["groups"]]
+    optimizer = record["optimizer"](groups)
+    policy = make_policy(record["sync"], record["num_workers"], record["staleness"], record["slack"])
+    grads, hyper, versions = {}, {}, [[t.numpy().tobytes().hex() for t in params.values()]]
+    for event in record["events"]:
+        if event[0] == "push":
+            _, k, iteration, h, g = event
+            grads[k], hyper[k] = g, h
+            decision = policy.push(k, iteration)
+        elif event[0] == "epoch":
+            decision = policy.end_epoch(event[1], event[2])
+        else:
+            decision = policy.leave(event[1])
+        for update in decision.updates:
+            for group, h in zip(optimizer.param_groups, hyper[update[-1][0]]):
+                group.update({key: v for key, v in h.items() if isinstance(v, (int, float))})
+            for n in names:
+                total = None
+                for k, w in update:
+                    total = grads[k][n] * w if total is None else total + grads[k][n] * w
+                if len(update) == 1 and update[0][1] == 1.0:
+                    total = grads[update[0][0]][n]
+                params[n].grad = total
+            optimizer.step()
+            versions.append([t.detach().numpy().tobytes().hex() for t in params.values()])
+    return params, versions
+
+
+@pytest.mark.parametrize("sync", ["asp", "ssp", "adaptive"])
+def test_replaying_the_recorded_arrival_order_gives_the_same_parameters(tmp_path, sync):
+    record_path = str(tmp_path / "arrivals")
+    results = run_ranks(4, SCRIPT.format(sync=sync), tmp_path, timeout=180,
+                        env={"FUSIONRING_PS_RECORD": record_path})
+    record = torch.load(record_path + ".server0", weights_only=False)
+    pushes = [e for e in record["events"] if e[0] == "push"]
+    assert len(pushes) == 3 * 30
+    assert [e[1] for e in pushes] != sorted(e[1] for e in pushes)  # the workers interleaved
+    params, versions = replay(record)
+    for n in record["names"]:
+        assert params[n].numpy().tobytes() == record["final"][n].numpy().tobytes(), n
+    for r in results[1:]:
+        # each worker ends on the parameters of the server version it was last sent
+        assert r["bits"] == versions[r["version"]]
+    if sync == "adaptive":
+        assert any(r["changes"] for r in results[1:])  # the straggler split the workers into groups

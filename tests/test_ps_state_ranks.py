@@ -1,0 +1,93 @@
+"""Checkpoints of a parameter-server job: N + M steps in one job equal N steps, ps.save (or state_dict()), and a
+new job that loads the state and runs M steps, bit for bit under bsp; and loading misuse is an error."""
+import pytest
+
+from conftest import run_ranks
+
+SCRIPT = r'''
+import atexit, sys, torch
+from mpi4py import MPI
+from fusionring import ps
+mode, path, N, M = sys.argv[1], sys.argv[2], 4, 3
+if MPI.COMM_WORLD.Get_rank() < 2:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=2)
+k = ps.worker_rank()
+torch.manual_seed(100 + k + (7 if mode.startswith("resume") else 0))  # worker 0's (or the saved) values win
+model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+opt = ps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01),
+                              named_parameters=model.named_parameters(), sync="bsp")
+
+def steps(first, count):
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(1000 * step + k)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+
+out = {}
+if mode == "full":
+    steps(0, N + M)
+elif mode == "save":
+    steps(0, N)
+    ps.save(path)                               # worker 0 asks the servers; a no-op on worker 1
+    state = opt.state_dict()
+    if k == 0:
+        torch.save(state, path + ".dict")
+        out["files"] = sorted(__import__("os").listdir(__import__("os").path.dirname(path)))
+else:
+    opt.load_state_dict(torch.load(path if mode == "resume_file" else path + ".dict", weights_only=False))
+    out["iteration"] = opt._iteration
+    steps(N, M)
+out["params"] = [p.detach().double().flatten().tolist() for p in model.parameters()]
+out["bits"] = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+ps.shutdown()
+report(out)
+'''
+
+
+def test_a_resumed_bsp_run_continues_bit_for_bit(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    path = str(tmp_path / "ckpt" / "ps.pt")
+    run = lambda mode: run_ranks(4, SCRIPT.replace("sys.argv[1], sys.argv[2]", f"{mode!r}, {path!r}"),
+                                 tmp_path / mode, timeout=150)
+    full = run("full")
+    saved = run("save")
+    assert saved[2]["files"] == ["ps.pt", "ps.pt.dict", "ps.pt.server0", "ps.pt.server1"]
+    assert saved[2]["bits"] != full[2]["bits"]  # N steps are not N + M steps
+    for mode in ("resume_file", "resume_dict"):
+        resumed = run(mode)
+        for k in (2, 3):
+            assert resumed[k]["iteration"] == 4
+            assert resumed[k]["bits"] == full[k]["bits"], mode
+
+
+MISUSE = r'''
+import torch
+from fusionring import ps
+ps.init(num_servers=1)
+model = torch.nn.Linear(3, 1)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              sync="bsp")
+try:
+    opt.load_state_dict({"format": "something else"})
+    bad_dict = None
+except ValueError as e:
+    bad_dict = str(e)
+opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
+state = opt.state_dict()
+try:
+    opt.load_state_dict(state)  # after training started
+    late = None
+except Exception as e:
+    late = type(e).__name__ + ": " + str(e)
+report({"bad_dict": bad_dict, "late": late})
+'''
+
+
+def test_loading_state_after_training_started_fails_on_every_worker(tmp_path):
+    results, rc, output = run_ranks(3, MISUSE, tmp_path, timeout=120, expect_failure=True)
+    assert rc != 0
+    for r in results[1:]:
+        assert r is not None, output
+        assert "state_dict" in r["bad_dict"]
+        assert r["late"] is not None and "load_state_dict()" in r["late"] and "before step()" in r["late"], r
