@@ -54,8 +54,9 @@ class HyperSelector(LayerSelector):
                 dot = 0.0
                 for n in names:
                     p = self.params[n]
-                    if p.grad is not None:
-                        dot += float((p.grad.double() * p.detach().double()).sum())
+                    grad = self.acc.fresh.get(n, p.grad) if self.acc is not None else p.grad
+                    if grad is not None:
+                        dot += float(grad.double().reshape(-1) @ p.detach().double().reshape(-1))
                 d_alpha[i] = dot / float(alpha[i])
         self.optimizer.zero_grad(set_to_none=True)
         alpha.backward(d_alpha)
