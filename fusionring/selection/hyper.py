@@ -38,7 +38,7 @@ class HyperSelector(LayerSelector):
             for p in list(self.fc1.parameters()) + list(self.fc2.parameters()):
                 p.copy_(torch.randn(p.shape, generator=g) * self.hidden ** -0.5)
         self.net_params = [self.embedding, *self.fc1.parameters(), *self.fc2.parameters()]
-        self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr)
+        self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr, foreach=True)
         self.prev_alpha: Optional[torch.Tensor] = None
         self.prob = torch.zeros(n, dtype=torch.float64)
 
@@ -49,15 +49,19 @@ class HyperSelector(LayerSelector):
         """Train the hypernetwork one step on this step's gradients, then score by smoothed change."""
         alpha = self.alpha()
         with torch.no_grad():
-            d_alpha = torch.zeros(len(self.layers))
+            # One dot per parameter, summed per layer with one index_add (no per-layer sync).
+            dots, owners = [], []
             for i, names in enumerate(self.layers):
-                dot = 0.0
                 for n in names:
                     p = self.params[n]
                     grad = self.acc.fresh.get(n, p.grad) if self.acc is not None else p.grad
                     if grad is not None:
-                        dot += float(grad.double().reshape(-1) @ p.detach().double().reshape(-1))
-                d_alpha[i] = dot / float(alpha[i])
+                        dots.append(torch.dot(grad.reshape(-1).to(p.dtype), p.detach().reshape(-1)))
+                        owners.append(i)
+            d_alpha = torch.zeros(len(self.layers))
+            if dots:
+                d_alpha.index_add_(0, torch.tensor(owners), torch.stack(dots).float())
+            d_alpha /= alpha.detach()
         self.optimizer.zero_grad(set_to_none=True)
         alpha.backward(d_alpha)
         self.optimizer.step()
