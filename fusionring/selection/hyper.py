@@ -58,9 +58,9 @@ class HyperSelector(LayerSelector):
                     if grad is not None:
                         dots.append(torch.dot(grad.reshape(-1).to(p.dtype), p.detach().reshape(-1)))
                         owners.append(i)
-            d_alpha = torch.zeros(len(self.layers))
+            d_alpha = torch.zeros(len(self.layers), dtype=alpha.dtype)
             if dots:
-                d_alpha.index_add_(0, torch.tensor(owners), torch.stack(dots).float())
+                d_alpha.index_add_(0, torch.tensor(owners), torch.stack(dots).to(alpha.dtype))
             d_alpha /= alpha.detach()
         self.optimizer.zero_grad(set_to_none=True)
         alpha.backward(d_alpha)
