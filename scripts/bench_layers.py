@@ -164,7 +164,8 @@ def train(model_name: str, kind, fraction, seed: int, epochs: int, per_rank_batc
             "agreement_s": agreement}
 
 
-def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path) -> List[str]:
+def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path,
+         prefix: str) -> List[str]:
     """Accuracy against bytes per step (one panel per model); returns the file names."""
     import matplotlib
     matplotlib.use("Agg")
@@ -191,7 +192,7 @@ def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path) -> L
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    name = "layer-selection-accuracy.png"
+    name = f"{prefix}-accuracy.png"
     fig.savefig(out_dir / name, dpi=110)
     plt.close(fig)
 
@@ -215,7 +216,7 @@ def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path) -> L
         ax.grid(alpha=0.3, axis="y")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    name2 = "layer-selection-overhead.png"
+    name2 = f"{prefix}-overhead.png"
     fig.savefig(out_dir / name2, dpi=110)
     plt.close(fig)
     return [name, name2]
@@ -257,6 +258,8 @@ def report(results: Dict, models: List[str], seeds: List[int], args, loads: Dict
         # The targets, plainly.
         lines += ["Targets at fraction 0.25:", ""]
         for kind in KINDS + ["hyper+wait8"]:
+            if f"{kind} 0.25" not in res:
+                continue
             runs = [res[f"{kind} 0.25"][s] for s in seeds]
             ratio = statistics.mean(r["bytes_per_step"] for r in runs) / dense_bytes
             gap = statistics.mean(r["accuracy"] for r in runs) - dense_acc
@@ -264,12 +267,17 @@ def report(results: Dict, models: List[str], seeds: List[int], args, loads: Dict
                          f"({'met' if ratio <= 0.3 else 'NOT met'}: <= 0.3x); accuracy "
                          f"{gap:+.2f} points ({'met' if gap >= -1.0 else 'NOT met'}: within 1)")
         for fraction in FRACTIONS:
-            best = max(KINDS[1:], key=lambda k: statistics.mean(
+            baselines = [k for k in KINDS[1:] if f"{k} {fraction}" in res]
+            if not baselines:
+                continue
+            best = max(baselines, key=lambda k: statistics.mean(
                 res[f"{k} {fraction}"][s]["accuracy"] for s in seeds))
             b_runs = [res[f"{best} {fraction}"][s] for s in seeds]
             b_acc = statistics.mean(r["accuracy"] for r in b_runs)
             b_bytes = statistics.mean(r["bytes_per_step"] for r in b_runs)
             for variant in ["hyper", "hyper+wait8"]:
+                if f"{variant} {fraction}" not in res:
+                    continue
                 hyper = [res[f"{variant} {fraction}"][s] for s in seeds]
                 h_acc = statistics.mean(r["accuracy"] for r in hyper)
                 h_bytes = statistics.mean(r["bytes_per_step"] for r in hyper)
@@ -312,7 +320,19 @@ def main() -> None:
     parser.add_argument("--lr-resnet", type=float, default=0.05)
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "layer-selection.md"))
     parser.add_argument("--raw", default=None, help="also write every run as JSON here")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated configuration labels (default: all), e.g. "
+                             "'dense,hyper 0.25,norm 0.25'")
+    parser.add_argument("--section", default="measured",
+                        help="the report section (and plot name prefix) to write")
     args = parser.parse_args()
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = [w for w in wanted if w not in [c[0] for c in CONFIGS]]
+        if unknown or "dense" not in wanted:
+            parser.error(f"--configs: unknown {unknown} or no dense (known: "
+                         f"{[c[0] for c in CONFIGS]})")
+        CONFIGS[:] = [c for c in CONFIGS if c[0] in wanted]
     torch.set_num_threads(1)
     hvd.init()
     models = args.models.split(",")
@@ -341,11 +361,14 @@ def main() -> None:
     if args.raw:
         Path(args.raw).write_text(json.dumps({"results": results, "loads": loads}, indent=1))
     out = Path(args.out)
-    names = plot(results, models, seeds, out.parent)
+    names = plot(results, models, seeds, out.parent,
+                 "layer-selection" if args.section == "measured"
+                 else f"layer-selection-{args.section}")
     command = "mpiexec -n {} python scripts/bench_layers.py".format(hvd.size()) + "".join(
         f" {flag} {value}" for flag, value, default in [
             ("--models", args.models, "mlp,resnet"), ("--seeds", args.seeds, "0,1,2"),
-            ("--epochs-mlp", args.epochs_mlp, 20), ("--epochs-resnet", args.epochs_resnet, 20)]
+            ("--epochs-mlp", args.epochs_mlp, 20), ("--epochs-resnet", args.epochs_resnet, 20),
+            ("--configs", repr(args.configs), repr(None)), ("--section", args.section, "measured")]
         if value != default)
     head = [f"Command: `{command}` (wrote this section and "
             + ", ".join(f"[{n}]({n})" for n in names) + "). Machine: x86_64, "
@@ -353,7 +376,7 @@ def main() -> None:
             f"![accuracy against bytes]({names[0]})", "",
             f"![selection overhead]({names[1]})", ""]
     text = "\n".join(head) + report(results, models, seeds, args, loads)
-    write_section(out, "measured", text)
+    write_section(out, args.section, text)
     print(text)
     print(f"wrote {out}")
 
