@@ -164,6 +164,39 @@ def train(model_name: str, kind, fraction, seed: int, epochs: int, per_rank_batc
             "agreement_s": agreement}
 
 
+def replay(epochs: int, lr: float) -> None:
+    """One process, the MLP at fraction 0.25: how often each layer travels and its longest wait.
+
+    ``python scripts/bench_layers.py --replay``: one rank runs the same selection step (the
+    agreement of one rank is its own scores), a global batch of 128 as the 4-rank runs.
+    """
+    (x_train, y_train), (x_test, y_test) = load_digits_split(1234)
+    for kind, max_wait in [("hyper", None), ("hyper", WAIT), ("norm", None), ("round_robin", None)]:
+        torch.manual_seed(0)
+        model = build("mlp")
+        sel = (hvd.LayerSelection.hyper(model, fraction=0.25, max_wait=max_wait)
+               if kind == "hyper" else getattr(hvd.LayerSelection, kind)(0.25))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
+                                       layer_selection=sel)
+        sent, longest, steps = [0] * 8, [0] * 8, 0
+        for epoch in range(epochs):
+            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+            for start in range(0, len(order) - 128 + 1, 128):
+                rows = order[start:start + 128]
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x_train[rows]), y_train[rows]).backward()
+                opt.step()
+                steps += 1
+                for i, waited in enumerate(sel.acc.waited):
+                    sent[i] += waited == 0
+                    longest[i] = max(longest[i], waited)
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item() * 100
+        print(f"{kind:<12} max_wait={max_wait!s:<5} {steps} steps  sent per layer {sent}  "
+              f"longest wait {longest}  accuracy {accuracy:.1f}", flush=True)
+
+
 def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path,
          prefix: str) -> List[str]:
     """Accuracy against bytes per step (one panel per model); returns the file names."""
@@ -323,6 +356,8 @@ def main() -> None:
     parser.add_argument("--configs", default=None,
                         help="comma-separated configuration labels (default: all), e.g. "
                              "'dense,hyper 0.25,norm 0.25'")
+    parser.add_argument("--replay", action="store_true",
+                        help="one process: how often each MLP layer travels (no report)")
     parser.add_argument("--section", default="measured",
                         help="the report section (and plot name prefix) to write")
     args = parser.parse_args()
@@ -335,6 +370,8 @@ def main() -> None:
         CONFIGS[:] = [c for c in CONFIGS if c[0] in wanted]
     torch.set_num_threads(1)
     hvd.init()
+    if args.replay:
+        return replay(args.epochs_mlp, args.lr_mlp)
     models = args.models.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     args.epochs = {"mlp": args.epochs_mlp, "resnet": args.epochs_resnet}
