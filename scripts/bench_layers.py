@@ -33,11 +33,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-import fusionring.torch as hvd
-from fusionring.datasets import load_digits_split
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # this checkout's fusionring, not an installed one
+
+import fusionring.torch as hvd  # noqa: E402
+from fusionring.datasets import load_digits_split  # noqa: E402
 from bench_nm import write_section  # noqa: E402
 
 KINDS = ["hyper", "norm", "round_robin", "random"]

@@ -3,7 +3,8 @@
 Training it costs no second forward pass and leaves the model's function untouched: the model
 is read as W_l * (alpha_l / stopgrad(alpha_l)), whose value is W_l, so the task loss's gradient
 with respect to alpha_l is <dL/dW_l, W_l> / alpha_l, computed from the gradients backward has
-already produced. That gradient is pushed through the hypernetwork with its own Adam. A layer's
+already produced (pushed into the logits as <dL/dW_l, W_l> (1 - alpha_l), which stays finite
+where a sigmoid underflows). That gradient is pushed through the hypernetwork with its own Adam. A layer's
 selection probability is the EMA of |alpha_t - alpha_{t-1}|; the k most probable are sent.
 """
 from __future__ import annotations
@@ -42,12 +43,16 @@ class HyperSelector(LayerSelector):
         self.prev_alpha: Optional[torch.Tensor] = None
         self.prob = torch.zeros(n, dtype=torch.float64)
 
+    def logits(self) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.embedding)))
+
     def alpha(self) -> torch.Tensor:
-        return torch.sigmoid(self.fc2(torch.relu(self.fc1(self.embedding))))
+        return torch.sigmoid(self.logits())
 
     def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:
         """Train the hypernetwork one step on this step's gradients, then score by smoothed change."""
-        alpha = self.alpha()
+        logits = self.logits()
+        alpha = torch.sigmoid(logits.detach())
         with torch.no_grad():
             # One dot per parameter, summed per layer with one index_add (no per-layer sync).
             dots, owners = [], []
@@ -58,12 +63,14 @@ class HyperSelector(LayerSelector):
                     if grad is not None:
                         dots.append(torch.dot(grad.reshape(-1).to(p.dtype), p.detach().reshape(-1)))
                         owners.append(i)
-            d_alpha = torch.zeros(len(self.layers), dtype=alpha.dtype)
+            dot = torch.zeros(len(self.layers), dtype=alpha.dtype)
             if dots:
-                d_alpha.index_add_(0, torch.tensor(owners), torch.stack(dots).to(alpha.dtype))
-            d_alpha /= alpha.detach()
+                dot.index_add_(0, torch.tensor(owners), torch.stack(dots).to(alpha.dtype))
+            # dL/dalpha = <g, W> / alpha, and dalpha/dlogit = alpha (1 - alpha): the gradient
+            # at the logits is <g, W> (1 - alpha), finite where alpha underflows to 0.
+            d_logits = dot * (1.0 - alpha)
         self.optimizer.zero_grad(set_to_none=True)
-        alpha.backward(d_alpha)
+        logits.backward(d_logits)
         self.optimizer.step()
         with torch.no_grad():
             now = self.alpha().double()
