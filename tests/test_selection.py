@@ -185,3 +185,15 @@ def test_optimizer_state_round_trip_continues_bit_exactly():
     resumed, _ = run(range(3, 6), saved)
     for a, b in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def test_hyper_scores_stay_finite_where_alpha_underflows():
+    model = _deep()
+    sel = LayerSelection.hyper(model, fraction=0.25, hidden=8)
+    with torch.no_grad():
+        sel.fc2.bias.fill_(-200.0)   # sigmoid(-200) is 0 in float32
+    assert float(sel.alpha().min()) == 0.0
+    for _ in range(3):
+        scores = sel.scores(_grads(model))
+    assert all(s == s and abs(s) != float("inf") for s in scores)
+    assert all(torch.isfinite(p).all() for p in sel.net_params)

@@ -92,3 +92,152 @@ def test_selected_buffer_composes_with_compression(tmp_path, comp):
     assert res[1] == res[0]
     if comp == "fp16":  # N:M drops values by design: only agreement and replicas are pinned
         assert res[0]["close"]
+
+
+IDENTITY = '''
+import torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+KIND, COMP = {kind!r}, {comp!r}
+torch.manual_seed(0)
+# Eight layers, several of one shape: a residual that went to the wrong layer would show.
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), *[torch.nn.Linear(8, 8) for _ in range(6)],
+                            torch.nn.Linear(8, 3))
+comp = {{"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+         "nm": hvd.Compression.nm(2, 4) if COMP == "nm" else None,
+         "cluster": hvd.Compression.cluster(k=4, sample=64) if COMP == "cluster" else None}}[COMP]
+sel = (hvd.LayerSelection.hyper(model, fraction=0.25, hidden=8, max_wait=4) if KIND == "hyper"
+       else hvd.LayerSelection.norm(0.25, max_wait=4))
+# lr=0: the weights stay put, so every step's gradient comes from the data alone.
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               named_parameters=model.named_parameters(),
+                               layer_selection=sel, compression=comp)
+names = [n for n, _ in model.named_parameters()]
+local = {{n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}}
+sent = {{n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}}
+g = torch.Generator().manual_seed(10 + rank)
+for step in range(9):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.randn(16, 6, generator=g)),
+                                      torch.randint(0, 3, (16,), generator=g)).backward()
+    for n, p in model.named_parameters():
+        local[n] += p.grad.double()
+    opt.step()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            sent[n] += p.grad.double() * size   # the average of the ranks' sums, times size
+kept = {{n: sel.acc.residual.get(n, torch.zeros_like(local[n])).double() for n in names}}
+if COMP in ("nm", "cluster"):  # what the compressor held back stays with its parameter too
+    for key, r in comp.memory.residuals.items():
+        n = key.split("layer_selection.", 1)[1]
+        kept[n] += r.reshape(kept[n].shape).double()
+comm = MPI.COMM_WORLD
+worst = 0.0
+for n in names:
+    total = comm.allreduce(local[n].numpy(), op=MPI.SUM)
+    held = comm.allreduce(kept[n].numpy(), op=MPI.SUM)
+    scale = max(1.0, float(abs(total).max()))
+    worst = max(worst, float(abs(sent[n].numpy() + held - total).max()) / scale)
+report({{"worst": worst, "waited": sel.acc.waited,
+         "keys": sorted(comp.memory.residuals) if COMP in ("nm", "cluster") else []}})
+'''
+
+
+@pytest.mark.parametrize("kind,comp", [("norm", "none"), ("hyper", "none"), ("norm", "fp16"),
+                                       ("norm", "nm"), ("hyper", "nm"), ("norm", "cluster")])
+def test_sent_plus_residual_equals_the_sum_of_every_ranks_gradients(tmp_path, kind, comp):
+    res = run_ranks(3, IDENTITY.format(kind=kind, comp=comp), tmp_path, timeout=150)
+    tol = {"none": 1e-6, "fp16": 2e-3, "nm": 1e-5, "cluster": 1e-5}[comp]
+    for r in res:
+        assert r["worst"] < tol, r["worst"]
+    assert res[0]["waited"] == res[1]["waited"] == res[2]["waited"]
+    if comp in ("nm", "cluster"):  # one residual per parameter, never one per step's buffer
+        assert res[0]["keys"] and all("layer_selection." in k for k in res[0]["keys"])
+
+
+STATS = '''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+widths = [5, 40, 30, 20, 12, 9, 7, 6, 4]   # eight layers of different sizes
+model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+sel = hvd.LayerSelection.round_robin(0.25)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), layer_selection=sel)
+params = dict(model.named_parameters())
+rows = []
+for step in range(4):
+    opt.zero_grad()
+    model(torch.randn(3, 5)).sum().backward()
+    before = hvd.communication_stats()["bytes_sent"]
+    opt.step()
+    delta = hvd.communication_stats()["bytes_sent"] - before
+    chosen = [i for i, w in enumerate(sel.acc.waited) if w == 0]
+    chosen_bytes = sum(params[n].numel() * 4 for i in chosen for n in sel.layers[i])
+    rows.append({"delta": delta, "chosen_bytes": chosen_bytes, "layers": len(sel.layers)})
+dense = sum(p.numel() * 4 for p in model.parameters())
+report({"rows": rows, "dense": dense})
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_communication_stats_count_the_agreement_and_the_chosen_layers(tmp_path, np_):
+    res = run_ranks(np_, STATS, tmp_path, timeout=150)
+    ring = lambda nbytes: nbytes * 2 * (np_ - 1) / np_  # noqa: E731 - what a ring sends per rank
+    for r in res:
+        assert r == res[0] or r["rows"] == res[0]["rows"]
+        for row in r["rows"]:
+            want = ring(8 * row["layers"]) + ring(row["chosen_bytes"])
+            # The runtime rounds down per fused batch: a byte or so per request.
+            assert abs(row["delta"] - want) <= 16, (row, want)
+            assert row["delta"] < ring(r["dense"])
+
+
+OWNERSHIP = '''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(4)])
+out = {}
+# Without named_parameters the optimizer names parameters param.G.I; the selection, built from
+# the model, keeps its own names and still finds every parameter.
+sel = hvd.LayerSelection.hyper(model, fraction=0.5, hidden=4)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_selection=sel)
+opt.zero_grad()
+model(torch.randn(2, 3)).sum().backward()
+opt.step()
+out["unnamed_ok"] = sorted(w for w in sel.acc.waited) == [0, 0, 1, 1]
+other = torch.nn.Linear(3, 3)
+for what, build in [
+        ("not_owned", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(list(model.parameters())[:4], lr=0.1),
+            layer_selection=hvd.LayerSelection.hyper(model, fraction=0.5))),
+        ("not_in_model", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1),
+            layer_selection=hvd.LayerSelection.hyper(model, fraction=0.5))),
+        ("fraction", lambda: hvd.LayerSelection.norm(0.0)),
+        ("no_params", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+            layer_selection=hvd.LayerSelection.hyper(torch.nn.ReLU())))]:
+    try:
+        build()
+        out[what] = "no error"
+    except ValueError as exc:
+        out[what] = str(exc)
+report(out)
+'''
+
+
+def test_bad_input_raises_value_error_naming_it_on_every_rank(tmp_path):
+    res = run_ranks(2, OWNERSHIP, tmp_path, timeout=120)
+    for r in res:
+        assert r["unnamed_ok"] is True
+        assert "not owned by the optimizer" in r["not_owned"]
+        assert "does not have" in r["not_in_model"] and "param.0.8" in r["not_in_model"]
+        assert "fraction=0.0" in r["fraction"]
+        assert "no parameters" in r["no_params"]

@@ -165,14 +165,17 @@ class FusionringContender(Contender):
     costs one uncached negotiation in the turn's first step, which stays in the timing.
     """
 
-    def __init__(self, ctx: BenchContext, compression) -> None:
+    def __init__(self, ctx: BenchContext, compression, selection=None) -> None:
         import fusionring.torch as hvd
 
         self._hvd = hvd
         self.model = ctx.build_model()
+        # `selection(model)`: a layer selection for DistributedOptimizer(layer_selection=), or None.
         self.optimizer = hvd.DistributedOptimizer(ctx.make_optimizer(self.model.parameters()),
                                                   named_parameters=self.model.named_parameters(),
-                                                  compression=compression)
+                                                  compression=compression,
+                                                  layer_selection=None if selection is None
+                                                  else selection(self.model))
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         self._sent_before_turns = 0
         self._turn_start: Optional[int] = None  # runtime bytes at the start of the turn under way
@@ -260,6 +263,29 @@ def _fusionring_cluster(ctx: BenchContext) -> Contender:
     import fusionring.torch as hvd
 
     return FusionringContender(ctx, hvd.Compression.cluster(k=16))
+
+
+@register_contender("fusionring-hyper25",
+                    "fusionring DistributedOptimizer, LayerSelection.hyper (a quarter of the layers)",
+                    missing=_fusionring_missing, default=False)
+def _fusionring_hyper25(ctx: BenchContext) -> Contender:
+    import fusionring.torch as hvd
+
+    return FusionringContender(ctx, hvd.Compression.none,
+                               lambda model: hvd.LayerSelection.hyper(model, fraction=0.25))
+
+
+@register_contender("fusionring-hyper25-nm24",
+                    "fusionring DistributedOptimizer, LayerSelection.hyper (a quarter of the layers) "
+                    "+ Compression.nm(2:4, fp16 values) on the chosen layers",
+                    missing=_nm_missing, default=False)
+def _fusionring_hyper25_nm24(ctx: BenchContext) -> Contender:
+    import torch
+
+    import fusionring.torch as hvd
+
+    return FusionringContender(ctx, hvd.Compression.nm(n=2, m=4, values=torch.float16),
+                               lambda model: hvd.LayerSelection.hyper(model, fraction=0.25))
 
 
 # ------------------------------------------------------------------------------ DDP over gloo

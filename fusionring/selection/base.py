@@ -56,10 +56,14 @@ class Accumulator:
             raise ValueError(f"layer_selection: max_wait={max_wait} must be >= 1 or None")
         self.max_wait = None if max_wait is None else int(max_wait)
         self.residual: Dict[str, torch.Tensor] = {}
+        # This step's own gradients (references, not copies) until settle(): what a policy
+        # that learns from the task loss reads, wherever the gradient lives (.grad or a bucket).
+        self.fresh: Dict[str, torch.Tensor] = {}
         self.waited = [0] * n_layers
 
     def add(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """The gradient plus what this parameter has kept back; the sum is what may be sent."""
+        self.fresh[name] = grad
         kept = self.residual.get(name)
         return grad.clone() if kept is None else kept + grad
 
@@ -74,6 +78,7 @@ class Accumulator:
                summed: Dict[str, torch.Tensor]) -> None:
         """Keep the unsent layers' sums, clear the sent ones, advance the wait counters."""
         chosen_set = set(chosen)
+        self.fresh = {}
         for i, names in enumerate(layers):
             if i in chosen_set:
                 self.waited[i] = 0

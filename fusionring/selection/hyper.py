@@ -3,7 +3,8 @@
 Training it costs no second forward pass and leaves the model's function untouched: the model
 is read as W_l * (alpha_l / stopgrad(alpha_l)), whose value is W_l, so the task loss's gradient
 with respect to alpha_l is <dL/dW_l, W_l> / alpha_l, computed from the gradients backward has
-already produced. That gradient is pushed through the hypernetwork with its own Adam. A layer's
+already produced (pushed into the logits as <dL/dW_l, W_l> (1 - alpha_l), which stays finite
+where a sigmoid underflows). That gradient is pushed through the hypernetwork with its own Adam. A layer's
 selection probability is the EMA of |alpha_t - alpha_{t-1}|; the k most probable are sent.
 """
 from __future__ import annotations
@@ -38,27 +39,38 @@ class HyperSelector(LayerSelector):
             for p in list(self.fc1.parameters()) + list(self.fc2.parameters()):
                 p.copy_(torch.randn(p.shape, generator=g) * self.hidden ** -0.5)
         self.net_params = [self.embedding, *self.fc1.parameters(), *self.fc2.parameters()]
-        self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr)
+        self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr, foreach=True)
         self.prev_alpha: Optional[torch.Tensor] = None
         self.prob = torch.zeros(n, dtype=torch.float64)
 
+    def logits(self) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.embedding)))
+
     def alpha(self) -> torch.Tensor:
-        return torch.sigmoid(self.fc2(torch.relu(self.fc1(self.embedding))))
+        return torch.sigmoid(self.logits())
 
     def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:
         """Train the hypernetwork one step on this step's gradients, then score by smoothed change."""
-        alpha = self.alpha()
+        logits = self.logits()
+        alpha = torch.sigmoid(logits.detach())
         with torch.no_grad():
-            d_alpha = torch.zeros(len(self.layers))
+            # One dot per parameter, summed per layer with one index_add (no per-layer sync).
+            dots, owners = [], []
             for i, names in enumerate(self.layers):
-                dot = 0.0
                 for n in names:
                     p = self.params[n]
-                    if p.grad is not None:
-                        dot += float((p.grad.double() * p.detach().double()).sum())
-                d_alpha[i] = dot / float(alpha[i])
+                    grad = self.acc.fresh.get(n, p.grad) if self.acc is not None else p.grad
+                    if grad is not None:
+                        dots.append(torch.dot(grad.reshape(-1).to(p.dtype), p.detach().reshape(-1)))
+                        owners.append(i)
+            dot = torch.zeros(len(self.layers), dtype=alpha.dtype)
+            if dots:
+                dot.index_add_(0, torch.tensor(owners), torch.stack(dots).to(alpha.dtype))
+            # dL/dalpha = <g, W> / alpha, and dalpha/dlogit = alpha (1 - alpha): the gradient
+            # at the logits is <g, W> (1 - alpha), finite where alpha underflows to 0.
+            d_logits = dot * (1.0 - alpha)
         self.optimizer.zero_grad(set_to_none=True)
-        alpha.backward(d_alpha)
+        logits.backward(d_logits)
         self.optimizer.step()
         with torch.no_grad():
             now = self.alpha().double()

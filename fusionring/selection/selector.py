@@ -30,20 +30,33 @@ class LayerSelector:
             self.attach(model.named_parameters())
 
     def attach(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Learn the layers; a second call must name parameters the first one owns."""
+        """Learn the layers; a second call (the optimizer's) must update exactly these parameters.
+
+        Parameters are matched by identity, not name: the optimizer may name them otherwise
+        (``param.0.3`` without ``named_parameters``), and the selection keeps its own names.
+        """
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if self.layers:
-            theirs = {n for n, _ in named}
-            mine = set(self.params)
-            if not mine <= theirs:
-                extra = sorted(mine - theirs)[:3]
-                raise ValueError(f"layer_selection: parameters {extra} are not owned by the optimizer")
+            theirs = {id(p) for _, p in named}
+            mine = {id(p) for p in self.params.values()}
+            missing = [n for n, p in self.params.items() if id(p) not in theirs]
+            if missing:
+                raise ValueError(f"layer_selection: parameters {missing[:3]} are not owned by "
+                                 f"the optimizer")
+            unknown = [n for n, p in named if id(p) not in mine]
+            if unknown:
+                raise ValueError(f"layer_selection: the optimizer updates parameters "
+                                 f"{unknown[:3]} that the selection's model does not have")
             return
         self.layers = layers_of(named)
         self.params = dict(named)
         self.k = how_many(len(self.layers), self.fraction if self.k_arg is None else None, self.k_arg)
         self.acc = Accumulator(len(self.layers), self.max_wait)
         self._attached()
+
+    def names(self) -> Dict[int, str]:
+        """id(parameter) -> the selection's name for it."""
+        return {id(p): n for n, p in self.params.items()}
 
     def _attached(self) -> None:
         """Hook for subclasses that build state per layer."""

@@ -534,8 +534,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's allreduce (submitting any not yet submitted)."""
         if self._selection is not None and not self._outside_set:
             from .layer_sync import reduce_selected
-            reduce_selected(self._selection, self._requires_update, self._parameter_names,
-                            self._compression, self._process_set)
+            reduce_selected(self._selection, self._requires_update, self._compression,
+                            self._process_set)
             self._synchronized = True
             return
         if self._size == 1:
