@@ -156,6 +156,8 @@ class Communicator {
     return out;
   }
 
+  long spin_budget_us() { return transport_.spin_budget()->current(); }
+
   void set_wait_policy(long spin_us, long sleep_us) {
     if (spin_us < 0 || sleep_us < 0 || sleep_us > 1000000) {
       throw InvalidArgument("wait policy needs 0 <= spin_us and 0 <= sleep_us <= 1000000");
@@ -173,7 +175,8 @@ class Communicator {
       MPI_Request request;
       code = MPI_Iallreduce(MPI_IN_PLACE, as_pointer(address), static_cast<int>(count),
                             MPI_UINT64_T, MPI_BAND, transport_.comm(), &request);
-      if (code == MPI_SUCCESS) code = wait_requests(1, &request, transport_.wait_policy());
+      if (code == MPI_SUCCESS) code = wait_requests(1, &request, transport_.wait_policy(),
+                                             transport_.spin_budget());
     }
     if (code != MPI_SUCCESS) {
       char text[MPI_MAX_ERROR_STRING];
@@ -285,9 +288,14 @@ PYBIND11_MODULE(_C, m) {
            "reduce-scatter + allgather); returns {bytes_sent, bytes_received}.")
       .def("set_wait_policy", &Communicator::set_wait_policy, py::arg("spin_us"),
            py::arg("sleep_us"),
-           "How waits for MPI requests behave: sleep_us 0 polls nonstop (MPI_Wait); else poll "
-           "for spin_us, then sleep between tests, each nap an eighth of the time waited so far "
-           "(10 us to sleep_us).")
+           "How waits for MPI requests behave: sleep_us 0 polls nonstop (MPI_Wait); else test, "
+           "yielding the core between tests, for a budget learned from how long waits last "
+           "(250 us up to spin_us), then sleep between tests, each nap an eighth of the time "
+           "waited so far (10 us to sleep_us).")
+      .def_property_readonly(
+          "spin_budget_us", [](Communicator& c) { return c.spin_budget_us(); },
+          "How long the next wait tests before it naps (halved by each wait that outlasts "
+          "it, doubled by each that ends in its second half).")
       .def("band_allreduce", &Communicator::band_allreduce, py::arg("address"), py::arg("count"),
            "In-place bitwise AND of `count` uint64 words across ranks (GIL released).");
 

@@ -117,10 +117,11 @@ class Settings:
     # every peer is remote).
     mpi_wait: str = "auto"
     mpi_wait_sleep_us: int = 1000
-    # "auto" on one host polls nonstop this long before it naps as "sleep" does: waits for a
-    # peer that is about to answer stay as short as spinning, while a rank blocked on a late
-    # peer (or an idle runtime) stops costing a core.
-    mpi_wait_spin_us: int = 250
+    # "auto" on one host tests this long, yielding the core between tests, before it naps as
+    # "sleep" does: a peer that shares the core runs at once, waits for a peer that is about to
+    # answer stay as short as spinning (5 ms covers a late backward pass of a small model), and
+    # a rank blocked on a late peer (or an idle runtime) stops costing a core.
+    mpi_wait_spin_us: int = 5000
     # torch's intra-op threads per rank: "auto" lowers them at init() to the rank's share of
     # the host's cores when ranks would otherwise oversubscribe them (unless OMP_NUM_THREADS
     # or MKL_NUM_THREADS says otherwise); "off" leaves torch alone; a number sets it.

@@ -185,6 +185,40 @@ def test_sleeping_waits_match_numpy(np_, tmp_path):
         assert failures == [], f"rank {rank}: {failures[:10]}"
 
 
+SPIN_BUDGET = r'''
+import time
+import numpy as np
+from mpi4py import MPI
+from fusionring import _C
+
+comm = MPI.COMM_WORLD
+core = _C.Communicator(MPI._handleof(comm))
+core.set_wait_policy(5000, 1000)
+words = np.full(4, (1 << 64) - 1, dtype=np.uint64)
+after = []
+for i in range(4):
+    if comm.rank == 1:
+        time.sleep(0.05)  # rank 0 waits 50 ms for a late peer
+    words[:] = (1 << 64) - 1 - (comm.rank << i)
+    core.band_allreduce(words.ctypes.data, 4)
+    assert int(words[0]) == ((1 << 64) - 1) & ~(1 << i), int(words[0])
+    after.append(core.spin_budget_us)
+for _ in range(20):
+    core.band_allreduce(words.ctypes.data, 4)
+prompt = core.spin_budget_us
+core.set_wait_policy(5000, 1000)
+report({"late": after, "prompt": prompt, "reset": core.spin_budget_us})
+'''
+
+
+def test_spin_budget_halves_on_a_late_peer_and_resets_with_the_policy(tmp_path):
+    results = run_ranks(2, SPIN_BUDGET, tmp_path, timeout=90)
+    # Each 50 ms wait outlasts the budget and halves it; prompt waits move it by a step at most.
+    assert results[0]["late"] == [2500, 1250, 625, 312]
+    assert 250 <= results[0]["prompt"] <= 625
+    assert results[0]["reset"] == results[1]["reset"] == 5000
+
+
 def test_wait_policy_rejects_bad_values():
     from mpi4py import MPI
     from fusionring import _C

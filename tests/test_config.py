@@ -168,7 +168,7 @@ def test_wait_policy_polls_briefly_then_naps_unless_told_to_spin(env):
     one_host = _Host([[0], [1]])._layout()
     two_hosts = HostLayout(rank=0, size=2, local_rank=0, local_size=1, local_cores=[[0]],
                            cross_rank=0, cross_size=2)
-    assert wait_policy(env(), one_host) == (250, 1000)
+    assert wait_policy(env(), one_host) == (5000, 1000)
     assert wait_policy(env(), two_hosts) == (100, 1000)
     assert wait_policy(env(FUSIONRING_MPI_WAIT="spin"), one_host) == (0, 0)
     assert wait_policy(env(FUSIONRING_MPI_WAIT="sleep"), one_host) == (100, 1000)
