@@ -1,5 +1,8 @@
 """Checkpoints of a parameter-server job: N + M steps in one job equal N steps, ps.save (or state_dict()), and a
-new job that loads the state and runs M steps, bit for bit under bsp; and loading misuse is an error."""
+new job that loads the state and runs M steps, bit for bit under bsp (with each worker's compression residuals
+restored from its own file or dict); and loading misuse is an error."""
+import os
+
 import pytest
 
 from conftest import run_ranks
@@ -9,6 +12,9 @@ import atexit, sys, torch
 from mpi4py import MPI
 from fusionring import ps
 mode, path, N, M = sys.argv[1], sys.argv[2], 4, 3
+import fusionring.torch as hvd
+compression = {"none": hvd.Compression.none, "nm": hvd.Compression.nm(2, 4, shared_mask=False),
+               "cluster": hvd.Compression.cluster(k=4, sample=16)}[COMPRESSION]
 if MPI.COMM_WORLD.Get_rank() < 2:
     atexit.register(report, {"server": True})
 ps.init(num_servers=2)
@@ -16,7 +22,8 @@ k = ps.worker_rank()
 torch.manual_seed(100 + k + (7 if mode.startswith("resume") else 0))  # worker 0's (or the saved) values win
 model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 opt = ps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01),
-                              named_parameters=model.named_parameters(), sync="bsp")
+                              named_parameters=model.named_parameters(), sync="bsp",
+                              compression=compression)
 
 def steps(first, count):
     for step in range(first, first + count):
@@ -29,13 +36,11 @@ if mode == "full":
     steps(0, N + M)
 elif mode == "save":
     steps(0, N)
-    ps.save(path)                               # worker 0 asks the servers; a no-op on worker 1
+    ps.save(path)                               # worker 0 asks the servers; each worker writes its residuals
     state = opt.state_dict()
-    if k == 0:
-        torch.save(state, path + ".dict")
-        out["files"] = sorted(__import__("os").listdir(__import__("os").path.dirname(path)))
+    torch.save(state, path + f".dict{k}")       # each worker keeps its own dict
 else:
-    opt.load_state_dict(torch.load(path if mode == "resume_file" else path + ".dict", weights_only=False))
+    opt.load_state_dict(torch.load(path if mode == "resume_file" else path + f".dict{k}", weights_only=False))
     out["iteration"] = opt._iteration
     steps(N, M)
 out["params"] = [p.detach().double().flatten().tolist() for p in model.parameters()]
@@ -45,14 +50,17 @@ report(out)
 '''
 
 
-def test_a_resumed_bsp_run_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "nm", "cluster"])
+def test_a_resumed_bsp_run_continues_bit_for_bit(compression, tmp_path):
     (tmp_path / "ckpt").mkdir()
     path = str(tmp_path / "ckpt" / "ps.pt")
-    run = lambda mode: run_ranks(4, SCRIPT.replace("sys.argv[1], sys.argv[2]", f"{mode!r}, {path!r}"),
-                                 tmp_path / mode, timeout=150)
+    run = lambda mode: run_ranks(4, SCRIPT.replace("sys.argv[1], sys.argv[2]", f"{mode!r}, {path!r}").replace(
+        "[COMPRESSION]", f"[{compression!r}]"), tmp_path / mode, timeout=150)
     full = run("full")
     saved = run("save")
-    assert saved[2]["files"] == ["ps.pt", "ps.pt.dict", "ps.pt.server0", "ps.pt.server1"]
+    own = [] if compression == "none" else ["ps.pt.worker0", "ps.pt.worker1"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(["ps.pt", "ps.pt.dict0", "ps.pt.dict1", "ps.pt.server0", "ps.pt.server1"]
+                                       + own)
     assert saved[2]["bits"] != full[2]["bits"]  # N steps are not N + M steps
     for mode in ("resume_file", "resume_dict"):
         resumed = run(mode)

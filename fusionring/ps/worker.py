@@ -11,12 +11,14 @@ import io
 import os
 import sys
 import time
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..compression import Compression
+from ..compression.base import capabilities
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from . import payload, protocol
@@ -121,18 +123,23 @@ def shutdown() -> None:
 def save(path: str) -> None:
     """Checkpoint the job: on worker 0, ask every server to write its parameters, optimizer state and sync
     bookkeeping to ``<path>.server<s>`` and write ``path``, the index a new job loads with
-    ``opt.load_state_dict(torch.load(path))``. On other workers it does nothing, so every worker may call it."""
+    ``opt.load_state_dict(torch.load(path))``. Every worker that calls it (worker 0 included) also writes its own
+    state, where it has any (compression residuals, layer selection), to ``<path>.worker<k>``; call it on every
+    worker so that none of them resumes without its residuals."""
     job = _require_worker("ps.save()")
     opt = job.optimizer
     if opt is None:
         raise FusionRingError("ps.save() before ps.DistributedOptimizer: there is nothing on the servers yet")
+    path = os.path.abspath(os.fspath(path))
+    own = opt._worker_state()
+    if len(own) > 1:  # more than its index
+        torch.save(own, f"{path}.worker{own['index']}")
     if job.rank != job.num_servers:
         return
-    path = os.path.abspath(os.fspath(path))
     files = [f"{path}.server{server}" for server in range(len(opt._shards))]
     opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
-    torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files},
-               path)
+    torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files,
+                "worker_files": f"{path}.worker{{}}"}, path)
 
 
 def _wait_reply(job: _Job, server: int, deadline: float,
@@ -326,15 +333,45 @@ class DistributedOptimizer:
         return replies
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every server's state (its parameters, optimizer state, sync bookkeeping) as one dict; give it to
-        ``load_state_dict`` in a new job. Gradients still in flight (pushed but not yet applied) are not part
-        of it."""
+        """Every server's state (its parameters, optimizer state, sync bookkeeping) and this worker's own
+        (compression residuals, layer selection, under ``"worker"``) as one dict; give it to ``load_state_dict``
+        in a new job. A worker restores only its own part, so keep each worker's dict. Gradients still in flight
+        (pushed but not yet applied) are not part of it."""
         _require_worker("DistributedOptimizer.state_dict()")
         replies = self._ask_servers(protocol.STATE, [{} for _ in self._shards], protocol.STATE)
         servers = [torch.load(io.BytesIO(data.tobytes()), weights_only=False) for _, data in replies]
-        worker = {"layer_selection": self.layer_selection.state_dict()} if self.layer_selection is not None else {}
         return {"format": STATE_FORMAT, "num_servers": len(self._shards), "shards": self._shards,
-                "servers": servers, "worker": worker}
+                "servers": servers, "worker": self._worker_state()}
+
+    def _worker_state(self) -> Dict[str, Any]:
+        """What lives on this worker alone: its index, its compressor's residuals, its layer selection."""
+        state: Dict[str, Any] = {"index": self._job.rank - self._job.num_servers}
+        if capabilities(self.compression).stateful:
+            state["compression"] = self.compression.state_dict()
+        if self.layer_selection is not None:
+            state["layer_selection"] = self.layer_selection.state_dict()
+        return state
+
+    def _restore_worker_state(self, state_dict: Dict[str, Any]) -> None:
+        index = self._job.rank - self._job.num_servers
+        worker = state_dict.get("worker")
+        pattern = state_dict.get("worker_files")
+        if worker is None and pattern:  # ps.save's index: this worker's own file, where it wrote one
+            file = pattern.format(index)
+            worker = torch.load(file, weights_only=False) if os.path.exists(file) else None
+        wanted = capabilities(self.compression).stateful or self.layer_selection is not None
+        if not wanted:
+            return
+        if not worker or worker.get("index", index) != index:
+            whose = "none" if not worker else f"worker {worker.get('index')}'s"
+            warnings.warn(f"ps worker {index}: the state loaded holds {whose} residuals, not this worker's; its "
+                          f"compression residuals and layer selection start empty (call ps.save on every worker, "
+                          f"or give each worker its own state_dict())", stacklevel=3)
+            return
+        if "compression" in worker and capabilities(self.compression).stateful:
+            self.compression.load_state_dict(worker["compression"])
+        if "layer_selection" in worker and self.layer_selection is not None:
+            self.layer_selection.load_state_dict(worker["layer_selection"])
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Resume from ``state_dict()`` or from the file ``ps.save`` wrote (``torch.load(path)``). Every worker
@@ -355,9 +392,7 @@ class DistributedOptimizer:
         headers = self._receive_params(first=True)
         self._iteration = int(headers[0].fields["iteration"])
         self._epoch = int(headers[0].fields["epoch"])
-        worker = state_dict.get("worker") or {}
-        if self.layer_selection is not None and "layer_selection" in worker:
-            self.layer_selection.load_state_dict(worker["layer_selection"])
+        self._restore_worker_state(state_dict)
 
     def _select(self, dense: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """This worker's own top-k layers: their gradients plus what they kept back travel; the others wait."""
