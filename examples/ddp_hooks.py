@@ -3,9 +3,12 @@
     torchrun --nproc_per_node 2 examples/ddp_hooks.py
     mpiexec -n 2 python examples/ddp_hooks.py            # ranks from MPI, gloo over 127.0.0.1
     torchrun --nproc_per_node 2 examples/ddp_hooks.py --hook layers
+    torchrun --nproc_per_node 2 examples/ddp_hooks.py --hook cluster
 
 DDP stays DDP (gloo here); only its communication hook changes. `--hook nm` (default): every
-bucket travels as 2 of every 4 values in float16 (a quarter of the bytes). `--hook layers`:
+bucket travels as 2 of every 4 values in float16 (a quarter of the bytes). `--hook cluster`:
+every bucket travels as `--k` cluster ids per value (4 bits at k=16) and a small codebook, from
+each rank's own clustering. `--hook layers`:
 each step the ranks agree on the layers with the largest accumulated gradient norm
 (`--fraction` of them) and only those travel. Either way what is not sent is held back by
 error feedback, and the hook's state is saved and restored with the rest of the checkpoint.
@@ -45,8 +48,10 @@ def init_distributed(port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hook", choices=["nm", "layers"], default="nm",
-                        help="N:M sparsification of every bucket, or whole layers chosen per step")
+    parser.add_argument("--hook", choices=["nm", "cluster", "layers"], default="nm",
+                        help="N:M sparsification or cluster quantization of every bucket, or whole "
+                             "layers chosen per step")
+    parser.add_argument("--k", type=int, default=16, help="--hook cluster: clusters per bucket")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--n", type=int, default=2)
@@ -69,6 +74,9 @@ def main() -> None:
         state = hooks.NMState(process_group=None, n=args.n, m=args.m, values=torch.float16,
                               shared_mask=not args.per_rank_masks)
         ddp.register_comm_hook(state, hooks.nm_hook)
+    elif args.hook == "cluster":
+        state = hooks.ClusterState(process_group=None, k=args.k)
+        ddp.register_comm_hook(state, hooks.cluster_hook)
     else:
         state = hooks.LayerSelectionState(process_group=None,
                                           selection=LayerSelection.norm(fraction=args.fraction),
@@ -97,6 +105,8 @@ def main() -> None:
     saved = torch.load(buffer)["hook"]
     if args.hook == "nm":
         restored, what = hooks.NMState.from_state_dict(saved), "buckets"
+    elif args.hook == "cluster":
+        restored, what = hooks.ClusterState.from_state_dict(saved), "buckets"
     else:   # the layers' residuals are named by parameter: the state is given the model again
         restored, what = hooks.LayerSelectionState.from_state_dict(saved, model=model), "parameters"
     if rank == 0:

@@ -395,7 +395,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("launcher,hook", [("mpiexec", "nm"), ("torchrun", "nm"),
-                                           ("mpiexec", "layers")])
+                                           ("mpiexec", "layers"), ("torchrun", "cluster")])
 def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher, hook):
     import os
     import re
@@ -416,7 +416,7 @@ def test_ddp_hooks_example_trains_under_mpiexec_and_torchrun(launcher, hook):
     assert done.returncode == 0, done.stdout + done.stderr
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 0.85, done.stdout
-    what = "buckets" if hook == "nm" else "parameters"
+    what = "parameters" if hook == "layers" else "buckets"
     assert re.search(rf"hook state for \d+ {what} restored", done.stdout), done.stdout
 
 
@@ -455,6 +455,101 @@ def test_state_pickles_and_state_dict_loads_weights_only_for_every_configuration
         step, _ = loaded.compressor.compress(x, name="b")
         step = step if isinstance(step, tuple) else (step,)
         assert all(torch.equal(u, v) for u, v in zip(nxt, step))
+
+
+# ---------------------------------------------------------------------- cluster quantizer
+CLUSTER_TRAIN = r'''
+cfg = {cfg!r}
+model = Parallel()
+ddp = DDP(model, bucket_cap_mb=cfg["cap_mb"], gradient_as_bucket_view=cfg["view"])
+index = {{id(p): i for i, p in enumerate(model.parameters())}}
+layouts = []
+
+def record(state, bucket):
+    if bucket.index() == 0:
+        layouts.append([])
+    layouts[-1].append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
+    return hooks.cluster_hook(state, bucket)
+
+state = hooks.ClusterState(k=cfg["k"], sample=cfg["sample"], error_feedback=cfg["ef"])
+ddp.register_comm_hook(state, record)
+opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+for step in range(cfg["steps"]):
+    opt.zero_grad()
+    ddp(*batch(rank, step)).backward()
+    opt.step()
+report(dict(params=params(model), layouts=layouts))
+finish()
+'''
+
+
+def cluster_reference_params(size, steps, layouts, k, sample, ef):
+    """One process: every rank's quantizer (the same kernels, tested against numpy in
+    test_cluster_quant) encodes its bucket in the order the ranks did, and the payloads are
+    decoded and added in rank order, then averaged: the parameters after `steps` SGD steps."""
+    from fusionring.compression import ClusterCompressor
+
+    model = Parallel()
+    weights = [p.detach().clone() for p in model.parameters()]
+    coders = [ClusterCompressor(k, sample, error_feedback=ef) for _ in range(size)]
+    for step in range(steps):
+        grads = [local_grads(r, step) for r in range(size)]
+        for index, members in layouts[step]:
+            key = f"{index}:{members}"
+            total = torch.zeros(sum(grads[0][i].size for i in members))
+            for r in range(size):
+                x = torch.from_numpy(np.concatenate([grads[r][i].reshape(-1) for i in members]))
+                payload, _ = coders[r].compress(x, name=key)
+                coders[r].decode_add(payload, total)
+            avg = total.div_(size)
+            at = 0
+            for i in members:
+                numel = weights[i].numel()
+                weights[i].add_(avg[at:at + numel].reshape(weights[i].shape), alpha=-LR)
+                at += numel
+    return [w.numpy() for w in weights]
+
+
+@pytest.mark.parametrize("np_,view,ef", [(2, False, True), (3, False, True), (2, True, False)],
+                         ids=["2-ranks", "3-ranks", "bucket-view-no-ef"])
+def test_cluster_hook_matches_single_process_computation(tmp_path, np_, view, ef):
+    cfg = dict(cap_mb=0.0001, view=view, k=4, sample=16, ef=ef, steps=4)
+    results = run_ranks(np_, RANK_PRELUDE + CLUSTER_TRAIN.format(cfg=cfg), tmp_path)
+    layouts = results[0]["layouts"]
+    assert len(layouts[-1]) >= 3, layouts[-1]   # several buckets
+    want = cluster_reference_params(np_, cfg["steps"], layouts, 4, 16, ef)
+    dense = reference_params(np_, cfg["steps"], layouts, 4, 4, False)   # 4:4 keeps everything
+    assert any(not np.array_equal(w, d) for w, d in zip(want, dense))  # quantized for real
+    for r in range(np_):
+        assert_same_params(results[r]["params"], want)
+
+
+def test_cluster_state_round_trip_and_bad_configuration():
+    import io
+
+    from fusionring.ddp import hooks
+
+    state = hooks.ClusterState(k=8, sample=64)
+    x = torch.randn(1000)
+    for _ in range(3):
+        state.compressor.compress(x, name="b")
+    plain, pickled = io.BytesIO(), io.BytesIO()
+    torch.save(state.state_dict(), plain)
+    torch.save(state, pickled)
+    plain.seek(0)
+    pickled.seek(0)
+    nxt, _ = state.compressor.compress(x, name="b")   # the original's next step
+    for loaded in (hooks.ClusterState.from_state_dict(torch.load(plain, weights_only=True)),
+                   torch.load(pickled, weights_only=False)):
+        assert loaded.config() == state.config() and loaded.keys() == ["b"]
+        step, _ = loaded.compressor.compress(x, name="b")
+        assert torch.equal(step, nxt)
+    with pytest.raises(ValueError, match="ClusterState"):
+        hooks.ClusterState(k=4).load_state_dict(state.state_dict())
+    with pytest.raises(ValueError, match="k"):
+        hooks.ClusterState(k=1)
+    with pytest.raises(ValueError, match="values"):
+        hooks.ClusterState(values=torch.int32)
 
 
 # ---------------------------------------------------------------------- layer selection

@@ -168,6 +168,25 @@ class ClusterCompressor(Compressor):
         _C.cluster_decode(payload.data_ptr(), ctx.count, *self._args(), out.data_ptr(), False)
         return out.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
 
+    def decode_add(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode `payload` (of ``out.numel()`` values) and add it into `out`, float32 on the CPU,
+        contiguous."""
+        if out.dtype != torch.float32 or out.is_cuda or not out.is_contiguous():
+            raise ValueError("Compression.cluster decode_add needs a contiguous float32 CPU tensor")
+        count = out.numel()
+        payload = payload.detach().to("cpu").contiguous()
+        if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(count):
+            raise ValueError(f"Compression.cluster payload must be {self.payload_bytes(count)}"
+                             f" uint8 bytes for {count} values, got {payload.numel()} "
+                             f"{payload.dtype}")
+        _C.cluster_decode(payload.data_ptr(), count, *self._args(), out.data_ptr(), True)
+
+    def forget(self, keys) -> None:
+        """Drop the residuals kept under `keys`."""
+        with self._lock:
+            for key in keys:
+                self.memory.residuals.pop(key, None)
+
     # ------------------------------------------------------------------ runtime path
     def communicate(self, job: ReductionContext) -> int:
         """Reduce the batch's outputs in place on the compressed ring; returns bytes sent."""

@@ -27,8 +27,8 @@ from ..compression import AdaptiveSchedule, NMCompressor, StepSchedule
 from ..compression.nm_kernels import scatter
 from .state import HookState, bucket_key
 
-__all__ = ["HookState", "NMState", "nm_hook", "LayerSelectionState", "layer_selection_hook",
-           "bucket_key"]
+__all__ = ["HookState", "NMState", "nm_hook", "ClusterState", "cluster_hook",
+           "LayerSelectionState", "layer_selection_hook", "bucket_key"]
 
 
 def _schedule_from_description(described: Any) -> Union[None, StepSchedule, AdaptiveSchedule]:
@@ -140,4 +140,5 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
 
 
 # Each further method lives in a file of its own (see the module docstring).
+from .cluster import ClusterState, cluster_hook  # noqa: E402
 from .layer_selection import LayerSelectionState, layer_selection_hook  # noqa: E402
