@@ -4,7 +4,9 @@ other and against Horovod when it is importable.
 The script: an MLP of about 120K parameters on scikit-learn's digits, batch 32 per rank,
 20 epochs, SGD with momentum, the default ``DistributedOptimizer``, launched with plain
 ``mpiexec``. Contenders run interleaved, ``--runs`` times at each rank count; the table
-gives the median training time and each contender's ratio to the first.
+gives the median training time, each contender's ratio to the first, and the CPU seconds the
+ranks' training threads and their other threads (the library's background threads, MPI's)
+spent in the timed loop, summed over the ranks.
 
     python scripts/bench_small.py -np 2,3,4 --runs 5 --tree . --tree ../before \
         --output docs/benchmarks/small-cpu.md
@@ -47,6 +49,11 @@ def worker(library: str, epochs: int) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     hvd.allreduce(torch.zeros(1), name="start")
+    import threading
+    import psutil
+    me = psutil.Process()
+    training = threading.get_native_id()
+    cpu_before = {t.id: t.user_time + t.system_time for t in me.threads()}
     start = time.perf_counter()
     for _ in range(epochs):
         for i in range(0, len(x), 32):
@@ -54,11 +61,22 @@ def worker(library: str, epochs: int) -> None:
             F.cross_entropy(model(x[i:i + 32]), y[i:i + 32]).backward()
             opt.step()
     hvd.allreduce(torch.zeros(1), name="end")
+    wall = time.perf_counter() - start
+    # CPU seconds of this rank's training thread and of all its other threads (the library's
+    # background threads, MPI's), over the timed loop.
+    cpu = {t.id: t.user_time + t.system_time - cpu_before.get(t.id, 0.0) for t in me.threads()}
+    main_cpu = cpu.pop(training, 0.0)
+    gathered = hvd.allgather_object((main_cpu, sum(cpu.values())))
     if hvd.rank() == 0:
-        print(f"TIME {time.perf_counter() - start:.4f}", flush=True)
+        train_cpu = sum(m for m, _ in gathered)
+        other_cpu = sum(o for _, o in gathered)
+        steps = epochs * len(range(0, len(x), 32))
+        print(f"TIME {wall:.4f} {train_cpu:.4f} {other_cpu:.4f} {steps}", flush=True)
 
 
-def run(contender: tuple, np: int, epochs: int, mpiexec: str) -> float:
+def run(contender: tuple, np: int, epochs: int, mpiexec: str) -> tuple:
+    """(training seconds, CPU seconds of the training threads, CPU seconds of all other
+    threads, steps per rank), the CPU summed over the ranks."""
     library, tree = contender
     env = dict(os.environ)
     if tree is not None:
@@ -67,7 +85,8 @@ def run(contender: tuple, np: int, epochs: int, mpiexec: str) -> float:
            "--worker", library, "--epochs", str(epochs)]
     out = subprocess.run(cmd, env=env, check=True, timeout=600, capture_output=True, text=True,
                          cwd=str(tree or ROOT)).stdout
-    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("TIME")))
+    line = next(line for line in out.splitlines() if line.startswith("TIME"))
+    return tuple(float(v) for v in line.split()[1:5])
 
 
 def main() -> None:
@@ -97,14 +116,19 @@ def main() -> None:
             for c in contenders:
                 times.setdefault((np, c), []).append(run(c, np, args.epochs, mpiexec))
     load_after = os.getloadavg()[0]
-    lines = ["| ranks | contender | median s | ratio to the first | runs (s) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| ranks | contender | median s | ratio to the first | runs (s) "
+             "| CPU s, training threads | CPU s, other threads | other threads, ms per step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for np in counts:
-        first = statistics.median(times[(np, contenders[0])])
+        first = statistics.median(t for t, *_ in times[(np, contenders[0])])
         for c in contenders:
-            med = statistics.median(times[(np, c)])
-            runs = ", ".join(f"{t:.2f}" for t in times[(np, c)])
-            lines.append(f"| {np} | {label[c]} | {med:.2f} | {med / first:.2f} | {runs} |")
+            med = statistics.median(t for t, *_ in times[(np, c)])
+            train = statistics.median(r[1] for r in times[(np, c)])
+            other = statistics.median(r[2] for r in times[(np, c)])
+            runs = ", ".join(f"{t:.2f}" for t, *_ in times[(np, c)])
+            steps = times[(np, c)][0][3]
+            lines.append(f"| {np} | {label[c]} | {med:.2f} | {med / first:.2f} | {runs} | "
+                         f"{train:.2f} | {other:.2f} | {1000 * other / np / steps:.3f} |")
     table = "\n".join(lines)
     note = "" if has_horovod else "\nHorovod is not importable in this environment: not run.\n"
     print(table + "\n" + note + f"load average {load:.2f} before, {load_after:.2f} after")
