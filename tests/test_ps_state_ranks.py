@@ -40,7 +40,12 @@ elif mode == "save":
     state = opt.state_dict()
     torch.save(state, path + f".dict{k}")       # each worker keeps its own dict
 else:
-    opt.load_state_dict(torch.load(path if mode == "resume_file" else path + f".dict{k}", weights_only=False))
+    source = {"resume_file": path, "resume_dict": path + f".dict{k}", "resume_swapped": path + f".dict{1 - k}"}[mode]
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(torch.load(source, weights_only=False))
+    out["warnings"] = [str(w.message) for w in caught if "ps worker" in str(w.message)]
     out["iteration"] = opt._iteration
     steps(N, M)
 out["params"] = [p.detach().double().flatten().tolist() for p in model.parameters()]
@@ -66,7 +71,17 @@ def test_a_resumed_bsp_run_continues_bit_for_bit(compression, tmp_path):
         resumed = run(mode)
         for k in (2, 3):
             assert resumed[k]["iteration"] == 4
+            assert resumed[k]["warnings"] == []
             assert resumed[k]["bits"] == full[k]["bits"], mode
+    if compression != "none":
+        # Another worker's dict: its residuals are not loaded, and the worker says so.
+        swapped = run("resume_swapped")
+        for k in (2, 3):
+            assert swapped[k]["warnings"] == [
+                f"ps worker {k - 2}: the checkpoint holds worker {3 - k}'s state, not this worker's; its "
+                f"compression residuals and layer selection start empty (call ps.save on every worker, or "
+                f"give each worker its own state_dict())"]
+            assert swapped[k]["bits"] != full[k]["bits"]
 
 
 MISUSE = r'''

@@ -353,20 +353,19 @@ class DistributedOptimizer:
         return state
 
     def _restore_worker_state(self, state_dict: Dict[str, Any]) -> None:
+        if not (capabilities(self.compression).stateful or self.layer_selection is not None):
+            return
         index = self._job.rank - self._job.num_servers
         worker = state_dict.get("worker")
         pattern = state_dict.get("worker_files")
         if worker is None and pattern:  # ps.save's index: this worker's own file, where it wrote one
             file = pattern.format(index)
             worker = torch.load(file, weights_only=False) if os.path.exists(file) else None
-        wanted = capabilities(self.compression).stateful or self.layer_selection is not None
-        if not wanted:
-            return
         if not worker or worker.get("index", index) != index:
-            whose = "none" if not worker else f"worker {worker.get('index')}'s"
-            warnings.warn(f"ps worker {index}: the state loaded holds {whose} residuals, not this worker's; its "
-                          f"compression residuals and layer selection start empty (call ps.save on every worker, "
-                          f"or give each worker its own state_dict())", stacklevel=3)
+            found = "no state of any worker" if not worker else f"worker {worker.get('index')}'s state"
+            warnings.warn(f"ps worker {index}: the checkpoint holds {found}, not this worker's; its compression "
+                          f"residuals and layer selection start empty (call ps.save on every worker, or give "
+                          f"each worker its own state_dict())", stacklevel=3)
             return
         if "compression" in worker and capabilities(self.compression).stateful:
             self.compression.load_state_dict(worker["compression"])
