@@ -65,7 +65,9 @@ dist.init_process_group("gloo", init_method="file://" + os.path.join(store_dir, 
                         rank=rank, world_size=size)
 
 
-def make_ddp(cap_mb, view=False, static=False):
+def make_ddp(cap_mb, view=False, static=False, hook=None):
+    """DDP over Parallel whose hook (`hook`, nm_hook by default) records each step's buckets."""
+    hook = hook or hooks.nm_hook
     model = Parallel()
     ddp = DDP(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=view, static_graph=static)
     index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -75,7 +77,7 @@ def make_ddp(cap_mb, view=False, static=False):
         if bucket.index() == 0:
             layouts.append([])
         layouts[-1].append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
-        return hooks.nm_hook(state, bucket)
+        return hook(state, bucket)
 
     return model, ddp, layouts, record
 
@@ -176,8 +178,12 @@ def assert_same_params(got, want):
 
 TRAIN = r'''
 cfg = {cfg!r}
-model, ddp, layouts, record = make_ddp(cfg["cap_mb"], cfg["view"], cfg["static"])
-state = hooks.NMState(n=cfg["n"], m=cfg["m"], shared_mask=cfg["shared"])
+if "k" in cfg:
+    model, ddp, layouts, record = make_ddp(cfg["cap_mb"], cfg["view"], cfg["static"], hooks.cluster_hook)
+    state = hooks.ClusterState(k=cfg["k"], sample=cfg["sample"], error_feedback=cfg["ef"])
+else:
+    model, ddp, layouts, record = make_ddp(cfg["cap_mb"], cfg["view"], cfg["static"])
+    state = hooks.NMState(n=cfg["n"], m=cfg["m"], shared_mask=cfg["shared"])
 ddp.register_comm_hook(state, record)
 opt = torch.optim.SGD(ddp.parameters(), lr=LR)
 for step in range(cfg["steps"]):
@@ -458,31 +464,6 @@ def test_state_pickles_and_state_dict_loads_weights_only_for_every_configuration
 
 
 # ---------------------------------------------------------------------- cluster quantizer
-CLUSTER_TRAIN = r'''
-cfg = {cfg!r}
-model = Parallel()
-ddp = DDP(model, bucket_cap_mb=cfg["cap_mb"], gradient_as_bucket_view=cfg["view"])
-index = {{id(p): i for i, p in enumerate(model.parameters())}}
-layouts = []
-
-def record(state, bucket):
-    if bucket.index() == 0:
-        layouts.append([])
-    layouts[-1].append((bucket.index(), [index[id(p)] for p in bucket.parameters()]))
-    return hooks.cluster_hook(state, bucket)
-
-state = hooks.ClusterState(k=cfg["k"], sample=cfg["sample"], error_feedback=cfg["ef"])
-ddp.register_comm_hook(state, record)
-opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-for step in range(cfg["steps"]):
-    opt.zero_grad()
-    ddp(*batch(rank, step)).backward()
-    opt.step()
-report(dict(params=params(model), layouts=layouts))
-finish()
-'''
-
-
 def cluster_reference_params(size, steps, layouts, k, sample, ef):
     """One process: every rank's quantizer (the same kernels, tested against numpy in
     test_cluster_quant) encodes its bucket in the order the ranks did, and the payloads are
@@ -513,8 +494,8 @@ def cluster_reference_params(size, steps, layouts, k, sample, ef):
 @pytest.mark.parametrize("np_,view,ef", [(2, False, True), (3, False, True), (2, True, False)],
                          ids=["2-ranks", "3-ranks", "bucket-view-no-ef"])
 def test_cluster_hook_matches_single_process_computation(tmp_path, np_, view, ef):
-    cfg = dict(cap_mb=0.0001, view=view, k=4, sample=16, ef=ef, steps=4)
-    results = run_ranks(np_, RANK_PRELUDE + CLUSTER_TRAIN.format(cfg=cfg), tmp_path)
+    cfg = dict(cap_mb=0.0001, view=view, static=False, k=4, sample=16, ef=ef, steps=4)
+    results = run_ranks(np_, RANK_PRELUDE + TRAIN.format(cfg=cfg), tmp_path)
     layouts = results[0]["layouts"]
     assert len(layouts[-1]) >= 3, layouts[-1]   # several buckets
     want = cluster_reference_params(np_, cfg["steps"], layouts, 4, 16, ef)
