@@ -159,13 +159,8 @@ class ClusterCompressor(Compressor):
         """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged."""
         if ctx is None:
             return payload
-        payload = payload.detach().to("cpu").contiguous()
-        if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(ctx.count):
-            raise ValueError(f"Compression.cluster payload must be {self.payload_bytes(ctx.count)}"
-                             f" uint8 bytes for {ctx.count} values, got {payload.numel()} "
-                             f"{payload.dtype}")
         out = torch.empty(ctx.count)
-        _C.cluster_decode(payload.data_ptr(), ctx.count, *self._args(), out.data_ptr(), False)
+        self._decode(payload, out, add=False)
         return out.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
 
     def decode_add(self, payload: torch.Tensor, out: torch.Tensor) -> None:
@@ -173,13 +168,16 @@ class ClusterCompressor(Compressor):
         contiguous."""
         if out.dtype != torch.float32 or out.is_cuda or not out.is_contiguous():
             raise ValueError("Compression.cluster decode_add needs a contiguous float32 CPU tensor")
+        self._decode(payload, out, add=True)
+
+    def _decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool) -> None:
         count = out.numel()
         payload = payload.detach().to("cpu").contiguous()
         if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(count):
             raise ValueError(f"Compression.cluster payload must be {self.payload_bytes(count)}"
                              f" uint8 bytes for {count} values, got {payload.numel()} "
                              f"{payload.dtype}")
-        _C.cluster_decode(payload.data_ptr(), count, *self._args(), out.data_ptr(), True)
+        _C.cluster_decode(payload.data_ptr(), count, *self._args(), out.data_ptr(), add)
 
     def forget(self, keys) -> None:
         """Drop the residuals kept under `keys`."""

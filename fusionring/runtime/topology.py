@@ -73,10 +73,11 @@ _SPIN_BEFORE_SLEEP_US = 100
 def wait_policy(config: Settings, layout: HostLayout) -> Tuple[int, int]:
     """(spin_us, sleep_us) for the core's MPI waits; sleep_us 0 polls nonstop (MPI_Wait).
 
-    An explicit "spin" polls nonstop. "auto" on one host tests for mpi_wait_spin_us first,
-    yielding the core between tests, and then naps: a wait that lasts longer than that is a late peer, not a reply in flight,
-    and polling through it took a core per blocked rank (99 % measured for a rank waiting in
-    an allreduce for a peer 5 s late; an idle runtime took 12 %).
+    An explicit "spin" polls nonstop. "auto" on one host tests for up to mpi_wait_spin_us
+    first, yielding the core between tests, and then naps: a wait that lasts longer than that
+    is a late peer, not a reply in flight, and polling through it took a core per blocked rank
+    (99 % measured for a rank waiting in an allreduce for a peer 5 s late; an idle runtime
+    took 12 %).
     """
     mode = wait_mode(config, layout)
     if mode == "sleep":
