@@ -144,6 +144,32 @@ def test_parts_travel_alone_when_large_and_together_when_small():
     assert payload.runs([]) == [] and payload.runs([0, 0]) == [(0, 2)]
 
 
+def test_only_sends_from_a_parts_own_memory_hold_it():
+    """A server may change its parameters once the sends that read their memory are done; grouped small parts
+    travel as a copy, so it need not wait for those (asynchronous updates would wait on each reply)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_SELF
+    small = payload.SMALL_PART_BYTES
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 255, n, dtype=np.uint8) for n in (10, 20, 2 * small, 30)]
+    expected = np.concatenate(parts)
+    copied = []
+    held = payload.send_parts(comm, parts, 0, 7, copied=copied)
+    # the large part and the last small one travel alone, from their memory; (10, 20) as one copy
+    assert len(held) == 2 and len(copied) == 1
+    for p in (parts[0], parts[1]):
+        p[...] = 0  # changed while their send is in flight: what arrives is what was sent
+    received = np.empty(expected.size, np.uint8)
+    payload.recv_parts(comm, received, [p.size for p in parts], 0, 7)
+    MPI.Request.Waitall(held + copied)
+    assert np.array_equal(received, expected)
+    # without `copied`, every request comes back to the caller, as a worker wants them
+    requests = payload.send_parts(comm, parts, 0, 8)
+    assert len(requests) == 3
+    payload.recv_parts(comm, received, [p.size for p in parts], 0, 8)
+    MPI.Request.Waitall(requests)
+
+
 def test_uncompressed_parts_are_views_of_the_gradients():
     named = _named(4)
     layout, parts = payload.encode_parts(hvd.Compression.none, named)

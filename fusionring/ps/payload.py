@@ -8,7 +8,7 @@ and need not be summable. Parameters travel back dense: one buffer of the shard'
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -177,12 +177,18 @@ def part_sizes(layout: Layout) -> List[int]:
     return sizes
 
 
-def send_parts(comm: Any, parts: Sequence[np.ndarray], dest: int, tag: int) -> List[Any]:
-    """Isend ``parts`` as ``runs`` groups them; returns the requests (the parts must stay untouched until done)."""
+def send_parts(comm: Any, parts: Sequence[np.ndarray], dest: int, tag: int,
+               copied: Optional[List[Any]] = None) -> List[Any]:
+    """Isend ``parts`` as ``runs`` groups them; returns the requests that read a part's own memory (it must stay
+    untouched until they are done). Grouped small parts travel as a copy: their requests go to ``copied`` when
+    it is given (the caller need not wait for them before changing the parts), else they are returned too."""
     requests = []
     for a, b in runs([p.size for p in parts]):
-        message = parts[a] if b - a == 1 else np.concatenate(parts[a:b])
-        requests.append(comm.Isend(message, dest=dest, tag=tag))
+        if b - a == 1:
+            requests.append(comm.Isend(parts[a], dest=dest, tag=tag))
+        else:  # mpi4py's request keeps the copy alive until the send is done
+            request = comm.Isend(np.concatenate(parts[a:b]), dest=dest, tag=tag)
+            (requests if copied is None else copied).append(request)
     return requests
 
 

@@ -15,6 +15,7 @@ that worker last pulled: see docs/ps.md for what that means for momentum.
 from __future__ import annotations
 
 import io
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -244,8 +245,12 @@ class Server:
         self.last_heard[k] = time.monotonic()  # it computes from now on
         self._send(k, Header(protocol.PARAMS, fields))
         dest = self._worker_rank(k)
+        # only sends from the parameters' own memory hold back the next update; copies of grouped small
+        # parameters are left to complete on their own (an asynchronous update then never waits on the
+        # worker before it to take its reply)
         self.param_sends.extend((r, k) for r in payload.send_parts(self.comm, parts, dest,
-                                                                   protocol.TAG_TO_WORKER_DATA))
+                                                                   protocol.TAG_TO_WORKER_DATA,
+                                                                   copied=self.requests))
         self.bytes_sent += nbytes
 
     def _settle_param_sends(self) -> None:
@@ -254,6 +259,8 @@ class Server:
         deadline = time.monotonic() + self.timeout
         while self.param_sends:
             self.param_sends = [(r, k) for r, k in self.param_sends if not r.Test()]
+            if self.param_sends:
+                os.sched_yield()  # the workers still receiving may share this core
             if self.param_sends and time.monotonic() > deadline:
                 late = sorted({k for _, k in self.param_sends})
                 self.param_sends = []
