@@ -74,7 +74,7 @@ def test_adaptive_starts_async_then_forms_the_top_s_sync_group_and_weights_by_it
     assert p.group == [0, 1] and p.changes[-1]["s"] == 2 and p.changes[-1]["async"] == [2]
     ref = -0.1 * (grad(0, 1) + grad(1, 1) + grad(2, 1))
     ref = ref - 0.1 * grad(2, 2)                       # asynchronous worker: applied on arrival
-    ref = ref - 0.1 * (0.5 * grad(0, 2) + 0.5 * grad(1, 2))  # iterations 2 and 2: equal weights
+    ref = ref - 0.1 * (grad(0, 2) + grad(1, 2))       # iterations 2 and 2: both as fresh as the newest
     np.testing.assert_allclose(w, ref)
     assert replies[-3:] == [[], [2], [0, 1]]
 
@@ -92,11 +92,14 @@ def test_adaptive_slack_counter_aggregates_an_incomplete_sync_list():
 
 
 def test_adaptive_iteration_weights_count_less_advanced_gradients_less():
-    p = Adaptive(2, slack=10)
-    p.group = [0, 1]
+    """The most advanced gradient counts as an asynchronous one does (1); a staler one in proportion to its
+    iterations, never more."""
+    p = Adaptive(3, slack=10)
+    p.group = [0, 1, 2]
     p.push(0, 3)
-    d = p.push(1, 1)
-    assert d.updates == [[(0, 0.75), (1, 0.25)]]
+    p.push(1, 1)
+    d = p.push(2, 6)
+    assert d.updates == [[(0, 0.5), (1, 1 / 6), (2, 1.0)]]
 
 
 def test_adaptive_returns_to_asp_when_the_epoch_gap_closes():

@@ -122,8 +122,9 @@ class Adaptive:
     the s workers with the most epochs (ties: lower rank first) form the sync group, the rest stay asynchronous.
     Sync-group gradients go to an aggregation list; from its first entry on, a slack counter counts every push the
     server receives; the list is aggregated when it holds one gradient from every sync-group worker or the counter
-    exceeds ``slack``. Weights: worker k's gradient counts ``it_k / sum(it_j for j in list)`` with ``it_k`` the
-    worker's iteration count at its push (stale, less advanced workers count less).
+    exceeds ``slack``. Weights: worker k's gradient counts ``it_k / max(it_j for j in list)`` with ``it_k`` the
+    worker's iteration count at its push: the most advanced gradient counts as an asynchronous one does, stale,
+    less advanced ones less.
     """
 
     def __init__(self, num_workers: int, slack: Optional[float] = None):
@@ -142,8 +143,8 @@ class Adaptive:
         self.changes: List[dict] = []
 
     def _flush(self) -> Decision:
-        total = float(sum(max(it, 1) for _, it in self.list))
-        d = Decision([[(k, max(it, 1) / total) for k, it in self.list]], [k for k, _ in self.list])
+        newest = float(max(max(it, 1) for _, it in self.list))
+        d = Decision([[(k, max(it, 1) / newest) for k, it in self.list]], [k for k, _ in self.list])
         self.list, self.counter = [], 0
         return d
 
