@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,15 +59,10 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     if args.worker == "ddp-gloo":
-        import torch.distributed as dist
-        address, port = "127.0.0.1", args.port
-        interface = os.environ.get("FI_TCP_IFACE")  # set in each host of the emulated cluster
-        if interface:  # rank 0 listens on its lab address, which the others learn through MPI
-            from mpi4py import MPI
-            from fusionring import network
-            address = MPI.COMM_WORLD.bcast(network.interface_address(interface) if rank == 0 else None)
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=size)
+        from mpi4py import MPI
+        from fusionring.bench import init_gloo
+        # rank 0's address on the emulated cluster's interface (set in each of its hosts), else loopback
+        init_gloo(MPI.COMM_WORLD, os.environ.get("FI_TCP_IFACE") or "lo")
     else:
         import fusionring.torch as hvd
         hvd.init()
@@ -111,12 +105,6 @@ def allreduce_worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- driving the runs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one(contender: str, seed: int, args: argparse.Namespace, delay_ms: float) -> List[dict]:
     """Run one contender once; worker 0's per-epoch log (seconds, accuracy)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,13 +121,13 @@ def run_one(contender: str, seed: int, args: argparse.Namespace, delay_ms: float
         if contender in PS_MODES:
             cmd += [sys.executable, str(EXAMPLE)] + PS_MODES[contender] + common
         else:
-            cmd += [sys.executable, __file__, "--worker", contender, "--port", str(_free_port())] + common
+            cmd += [sys.executable, __file__, "--worker", contender] + common
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no hostnames
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0 and not RELAUNCHED.get((contender, seed, delay_ms)):
-            # One relaunch, named in the report: a process that fails at exit (gloo aborted once
-            # in ~50 lab runs) should not cost the whole benchmark.
+            # One relaunch, named in the report: a peer that fails at exit (DDP over gloo sometimes
+            # aborts after its last epoch) should not cost the whole benchmark.
             said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("fusionring lab")]
             RELAUNCHED[(contender, seed, delay_ms)] = (f"exit {done.returncode}, its last words: "
                                                        f"`{' / '.join(said[-2:])[-200:]}`")
@@ -235,7 +223,6 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--log", help=argparse.SUPPRESS)
@@ -269,7 +256,7 @@ def main() -> None:
             for contender in contenders[n % len(contenders):] + contenders[:n % len(contenders)]:
                 runs[contender][seed] = run_one(contender, seed, args, delay_ms if case == "straggler" else 0.0)
                 print(f"{case} seed {seed} {contender}: {runs[contender][seed][-1]}", flush=True)
-        load = f"Load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (2 cores)."
+        load = f"Load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} cores)."
         summary = summarize(runs, samples)
         results[case] = {"runs": runs, "summary": summary, "delay_ms": delay_ms, "load": load}
         if args.output:

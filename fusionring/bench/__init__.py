@@ -24,7 +24,7 @@ from .util import (DEFAULT_DOC_DIR, MIB, REPO_ROOT, ring_bytes)
 from .contenders import (BenchContext, CONTENDERS, Contender, ContenderSpec, DdpContender,
                          FusionringContender, MpiAllreduceContender, available_contenders,
                          build_model, default_contenders, register_contender)
-from .probes import (interface_address, run_collectives, run_training, run_worker)
+from .probes import (init_gloo, interface_address, run_collectives, run_training, run_worker)
 from .driver import (LinkRun, summarize_collectives, summarize_training, time_to_accuracy)
 from .report import (FINDINGS_END, FINDINGS_START, collectives_table, kept_findings, plot_runs,
                      print_summary, render_markdown, training_table)
@@ -33,7 +33,7 @@ from .cli import (configure_parser, load_runs, main, run_command, run_driver)
 __all__ = ["BenchContext", "CONTENDERS", "Contender", "ContenderSpec", "DEFAULT_DOC_DIR",
            "DdpContender", "FINDINGS_END", "FINDINGS_START", "FusionringContender", "LinkRun",
            "MIB", "MpiAllreduceContender", "REPO_ROOT", "available_contenders", "build_model",
-           "collectives_table", "configure_parser", "default_contenders", "interface_address",
+           "collectives_table", "configure_parser", "default_contenders", "init_gloo", "interface_address",
            "kept_findings", "load_runs", "main", "plot_runs", "print_summary",
            "register_contender", "render_markdown", "ring_bytes", "run_collectives", "run_command",
            "run_driver", "run_training", "run_worker", "summarize_collectives",

@@ -29,7 +29,7 @@ def interface_address(interface: str) -> str:
     return address
 
 
-def _init_gloo(comm, interface: str) -> str:
+def init_gloo(comm, interface: str) -> str:
     """Start torch.distributed (gloo) on the ranks of ``comm``; rank 0's address and a port it picked."""
     import torch.distributed as dist
 
@@ -226,7 +226,7 @@ def run_worker(args: argparse.Namespace) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)  # several ranks share few cores: no intra-op thread oversubscription
     interface = args.interface or os.environ.get("FI_TCP_IFACE") or "lo"
-    master = _init_gloo(comm, interface)
+    master = init_gloo(comm, interface)
     started = time.time()
     result: Dict[str, Any] = {
         "ranks": size, "interface": interface, "master_address": master,
