@@ -6,10 +6,11 @@ whose spec changed, makes that cycle a full exchange instead: rank 0 gathers eve
 rank's pending specs, validates them against each other (the precise cross-rank error
 comes from here), assigns cache ids and broadcasts the outcome.
 
-A rank that called ``join()`` counts as having submitted every allreduce, broadcast and
-barrier the others submit (it takes part with zeros, or as a receiver), and every
-allgather (with no rows); ranks learn each cycle who has joined, and the join completes
-once every rank has joined and nothing is pending anywhere.
+A rank that called ``join()`` counts as having submitted every allreduce and barrier the
+others submit (it takes part with zeros); an allgather or a broadcast while some rank has
+joined fails on the ranks that submitted it, as in Horovod, and leaves them free to join in
+turn. Ranks learn each cycle who has joined, and the join completes once every rank has
+joined and nothing is pending anywhere.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ FLAG_STALL_CHECK = 8
 # Header words before the joined-ranks words and the bit vectors: the ORed flags, then
 # two words ANDed as they are (flush; nothing pending).
 _HEADER_WORDS = 3
-# Kinds a joined rank can take part in from the cache alone (allgather needs each rank's
-# row count, so with a joined rank it goes through a full exchange).
-_JOINABLE_FROM_CACHE = ("allreduce", "broadcast", "barrier")
+# Kinds a joined rank can take part in from the cache alone. Any other kind, with a joined
+# rank, goes through a full exchange, where rank 0 turns it into an error.
+_JOINABLE_FROM_CACHE = ("allreduce", "barrier")
 
 
 AUTO_NAME_MARK = ".noname."
@@ -167,6 +168,14 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     for name in order:
         entries = by_name[name]
         missing = [r for r in range(size) if r not in entries]
+        if joined:
+            # What a joined rank cannot take part in fails now, on the ranks that submitted
+            # it, rather than after the rest submit too: their names may never match (an
+            # unnamed operation's counter differs on a rank that skipped one while joined).
+            error = _join_conflict(name, next(iter(entries.values()))[0], sorted(joined))
+            if error is not None:
+                outcome.errors[name] = error
+                continue
         if any(r not in joined for r in missing):
             oldest = max(age for _, age in entries.values())
             stalled.append((name, [r for r in missing if r not in joined], oldest))
@@ -174,12 +183,10 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
         present = sorted(entries)
         specs = [entries[r][0] for r in present]
         error = mismatch_message(name, specs, present) if len(present) > 1 else None
-        if error is None and missing:
-            error = _join_conflict(name, specs[0], missing)
         if error is not None:
             outcome.errors[name] = error
             continue
-        first_dims = ([_first_dim(entries[r][0]) if r in entries else 0 for r in range(size)]
+        first_dims = ([_first_dim(entries[r][0]) for r in range(size)]
                       if specs[0].kind == "allgather" else None)
         outcome.ready.append(Ready(name, first_dims, specs[0]))
     if stalled and stall_warning_s is not None:
@@ -222,14 +229,19 @@ def _first_dim(spec: TensorSpec) -> int:
 
 def _join_conflict(name: str, spec: TensorSpec, joined: Sequence[int]) -> Optional[str]:
     """Why ranks that have joined cannot take part in `name`, or None when they can."""
-    if spec.kind == "broadcast" and spec.root in joined:
-        return (f"broadcast '{_bare(name, spec)}': root rank {spec.root} has called join() and "
-                f"has no data to send")
+    # Horovod's semantics: a joined rank has no rows to gather and no part in a broadcast
+    # (its root may be the joined rank itself), so both raise rather than complete.
+    if spec.kind in ("allgather", "broadcast"):
+        root = (f" (root rank {spec.root}{' has joined' if spec.root in joined else ''})"
+                if spec.kind == "broadcast" else "")
+        return (f"{spec.kind} '{_bare(name, spec)}'{root} cannot run while "
+                f"{_ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} called join(): "
+                f"{spec.kind} is not supported with join(), as in Horovod")
     if spec.kind == "allreduce" and spec.compression:
         return (f"allreduce '{_bare(name, spec)}': {_ranks_text(joined)} called join(); "
                 f"compression '{spec.compression}' reduces inside the runtime and needs every "
                 f"rank's data (join() works with uncompressed and fp16 allreduces)")
-    if spec.kind not in _JOINABLE_FROM_CACHE + ("allgather",):
+    if spec.kind not in _JOINABLE_FROM_CACHE:
         return (f"{spec.kind} '{_bare(name, spec)}' cannot complete: "
                 f"{_ranks_text(joined)} called join()")
     return None
@@ -298,8 +310,8 @@ class Negotiator:
             else:
                 mine |= 1 << entry.cache_id
         if self.joined_ranks and not joined and any(
-                not self._joinable(spec, self.joined_ranks) for _, spec, _ in pending):
-            uncached = True  # rank 0 decides (an allgather's rows, or the error to raise)
+                not self._joinable(spec) for _, spec, _ in pending):
+            uncached = True  # rank 0 decides: the error to raise
         flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_SHUTDOWN if shutdown else 0)
                  | (FLAG_STALL_CHECK if stall_check else 0))
         n_ids = (len(self._names_by_id) + 63) // 64
@@ -312,7 +324,7 @@ class Negotiator:
         if joined:
             not_joined ^= 1 << self.rank
             for cache_id, name in enumerate(self._names_by_id):
-                if self._joinable(self._cache[name].spec, [self.rank]):
+                if self._joinable(self._cache[name].spec):
                     mine |= 1 << cache_id
         words = np.empty(base + 2 * n_ids, dtype=np.uint64)
         words[:_HEADER_WORDS] = (~flags & 0xFFFFFFFFFFFFFFFF, 1 if flush else 0,
@@ -356,10 +368,9 @@ class Negotiator:
         return outcome
 
     @staticmethod
-    def _joinable(spec: TensorSpec, joined: Sequence[int]) -> bool:
-        """Whether `joined` ranks can take part in `spec` decided from the cache alone."""
-        return spec.kind in _JOINABLE_FROM_CACHE and not spec.compression and not (
-            spec.kind == "broadcast" and spec.root in joined)
+    def _joinable(spec: TensorSpec) -> bool:
+        """Whether joined ranks can take part in `spec` decided from the cache alone."""
+        return spec.kind in _JOINABLE_FROM_CACHE and not spec.compression
 
     def _note_joined(self, joined: int, outcome: Outcome, all_idle: bool) -> None:
         """`joined`: the bit set of ranks inside join() this round."""
@@ -395,9 +406,7 @@ class Negotiator:
         decided = self._comm.bcast(decided, root=0)
         specs = {name: spec for name, spec, _ in pending}
         for item in decided.ready:
-            # A decision that stood in for joined ranks (no rows from them) is not reused.
-            if not is_cacheable(item.name) or (outcome.joined_ranks
-                                                and item.spec.kind == "allgather"):
+            if not is_cacheable(item.name):
                 continue
             spec = specs.get(item.name, item.spec)
             entry = self._cache.get(item.name)

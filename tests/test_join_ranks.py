@@ -48,32 +48,36 @@ for step in range(r + 1):
 out["optimizer last"] = hvd.join()
 out["weights"] = model.weight.detach().flatten().tolist()
 
-# Allgather: the joined rank contributes no rows.
+# Allgather while a rank has joined raises on the others, as in Horovod, and they can join.
 if r == 0:
     hvd.join()
 else:
-    g = hvd.allgather(torch.full((r, 2), float(r)), name="jg")
-    out["allgather"] = torch.equal(g, torch.cat([torch.full((k, 2), float(k))
-                                                 for k in range(1, P)]))
+    try:
+        hvd.allgather(torch.full((r, 2), float(r)), name="jg")
+        out["allgather error"] = "no error"
+    except RuntimeError as exc:
+        out["allgather error"] = str(exc)
     hvd.join()
 # ...and the same name later, with every rank taking part, is not confused by it.
 g = hvd.allgather(torch.full((r + 1, 2), float(r)), name="jg")
 out["allgather after"] = torch.equal(g, torch.cat([torch.full((k + 1, 2), float(k))
                                                    for k in range(P)]))
 
-# Broadcast from a rank that has not joined reaches the joined one; a joined root errors.
+# Broadcast while a rank has joined raises on the others too, whether or not the root is the
+# joined rank, and for a name every rank used before (the cached path).
 hvd.broadcast(torch.zeros(2), root_rank=1, name="jbc_root")
 if r == 1:
     hvd.join()
 else:
-    t = hvd.broadcast(torch.arange(4.0) + r, root_rank=0, name="jbc")
-    out["broadcast"] = torch.equal(t, torch.arange(4.0))
-    try:  # a name every rank used before: the cached path must not send the root's zeros
-        hvd.broadcast(torch.zeros(2), root_rank=1, name="jbc_root")
-        out["joined root"] = "no error"
-    except Exception as exc:
-        out["joined root"] = str(exc)
+    for key, root, name in (("broadcast error", 0, "jbc"), ("joined root", 1, "jbc_root")):
+        try:
+            hvd.broadcast(torch.arange(4.0) + r, root_rank=root, name=name)
+            out[key] = "no error"
+        except RuntimeError as exc:
+            out[key] = str(exc)
     hvd.join()
+out["broadcast after"] = torch.equal(
+    hvd.broadcast(torch.arange(4.0) + r, root_rank=0, name="jbc"), torch.arange(4.0))
 
 # Still usable afterwards.
 out["after"] = hvd.allreduce(torch.ones(3) * r, op=hvd.Sum, name="after").tolist()
@@ -109,17 +113,58 @@ def test_join(tmp_path, np_):
     results = run_ranks(np_, JOIN, tmp_path, timeout=120)
     for r, out in enumerate(results):
         for key, value in out.items():
-            if key.startswith(("sum ", "avg ", "last ", "allgather", "broadcast")):
+            if key.startswith(("sum ", "avg ", "last ", "allgather after", "broadcast after")):
                 assert value is True, (r, key)
         # Each rank reduced in the cases where another rank joined first (3 dtypes x 2 x 2).
         assert sum(k.startswith("sum ") for k in out) == 12 - 6 * (r in (0, np_ - 1))
-        assert ("allgather" in out) == (r != 0) and ("broadcast" in out) == (r != 1)
+        assert ("allgather error" in out) == (r != 0)
+        assert ("broadcast error" in out) == (r != 1)
+        if r != 0:  # the joined rank and the tensor named, as each rank sees it
+            assert "allgather 'jg'" in out["allgather error"], out["allgather error"]
+            assert "rank 0 has called join()" in out["allgather error"]
         assert out["optimizer last"] == np_ - 1  # the rank with the most data joins last
         # A rank's weights stop changing when it joins.
         assert out["weights"] == pytest.approx(_expected_weights(np_, r + 1), rel=1e-5, abs=1e-6)
         if r != 1:
-            assert "root rank 1 has called join()" in out["joined root"]
+            assert "broadcast 'jbc' (root rank 0)" in out["broadcast error"]
+            assert "rank 1 has called join()" in out["broadcast error"]
+            assert "root rank 1 has joined" in out["joined root"], out["joined root"]
         assert out["after"] == [float(sum(range(np_)))] * 3
+
+
+UNNAMED = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {"errors": 0, "joins": [], "gathered": []}
+# Each rank joins first once while the others run an unnamed allgather (which must fail)
+# and an unnamed broadcast. A rank that skipped those operations numbers its next unnamed
+# one differently, so the failure cannot wait for the others' matching names.
+for first in range(P):
+    if r == first:
+        last = hvd.join()
+    else:
+        for op in (lambda: hvd.allgather(torch.ones(3, 2)),
+                   lambda: hvd.broadcast(torch.ones(2), root_rank=r)):
+            try:
+                op()
+            except RuntimeError:
+                out["errors"] += 1
+        last = hvd.join()
+    out["joins"].append(last)
+    out["gathered"].append(hvd.allgather_object(last))  # unnamed: the same name everywhere
+report(out)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_unnamed_operations_while_a_rank_has_joined_fail_without_a_hang(tmp_path, np_):
+    results = run_ranks(np_, UNNAMED, tmp_path, timeout=90)
+    for r, out in enumerate(results):
+        assert out["errors"] == 2 * (np_ - 1), (r, out)
+        for first, (last, gathered) in enumerate(zip(out["joins"], out["gathered"])):
+            assert last != first and gathered == [last] * np_, (r, out)
 
 
 PROCESS_SETS = r'''

@@ -406,17 +406,14 @@ class Runtime:
             pass
 
     def _stand_in(self, item: Ready) -> Request:
-        """This joined rank's part in an operation it never submitted: zeros to reduce, no
-        rows to gather, a buffer to receive a broadcast into."""
+        """This joined rank's part in an operation it never submitted: zeros to reduce (or
+        nothing, for a barrier)."""
         spec = item.spec
         if self._join_request is None or spec is None:
             raise FusionRingError(f"'{item.name}' was agreed ready but this rank never "
                                   f"submitted it")
         dtype = getattr(torch, spec.dtype, torch.uint8)
-        shape = spec.shape
-        if spec.kind == "allgather":
-            shape = (0,) + tuple(spec.shape[1:]) if spec.shape else (0,)
-        tensor = torch.zeros(shape, dtype=dtype)
+        tensor = torch.zeros(spec.shape, dtype=dtype)
         if spec.kind in ("allreduce", "reducescatter"):
             tensor = real_view(tensor)
         request = Request(item.name, spec, tensor, tensor, root=spec.root,

@@ -160,6 +160,9 @@ class _Operation:
 _operations: Dict[int, _Operation] = {}
 _operation_ids = itertools.count()
 _auto_names = itertools.count()
+# broadcast_object's own count, so an unnamed operation that one rank skipped (one that
+# failed elsewhere while it had joined) does not shift its names.
+_object_broadcasts = itertools.count()
 _handles_lock = threading.Lock()
 
 
@@ -1069,8 +1072,12 @@ def _from_bytes(data: torch.Tensor) -> Any:
 @_routed
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=None) -> Any:
-    """Pickle `obj` on root and return it on every rank."""
-    base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
+    """Pickle `obj` on root and return it on every rank.
+
+    Without a `name`, calls are numbered in order on each rank (not named after the type as
+    in Horovod: a non-root rank may pass None, whose type differs from the root's object).
+    """
+    base = name or f"object{AUTO_NAME_MARK}{next(_object_broadcasts)}"
     is_root = _global_rank() == root_rank
     payload = _to_bytes(obj) if is_root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -1083,8 +1090,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 @_routed
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
-    """Pickle `obj` on every rank and return the list of all ranks' objects."""
-    base = name or f"object{AUTO_NAME_MARK}{next(_auto_names)}"
+    """Pickle `obj` on every rank and return the list of all ranks' objects.
+
+    Without a `name`, the name is the object's type name, as in Horovod: the same on every
+    rank whatever each has run before (a counter would differ on a rank that skipped an
+    unnamed operation, for example while it had joined).
+    """
+    base = f"object.{name or type(obj).__name__}"
     payload = _to_bytes(obj)
     sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
                                         name=f"{base}.sizes"))
@@ -1110,9 +1122,11 @@ def join(device: int = -1) -> int:
     """Declare that this rank has no more data; returns the rank that joined last.
 
     Blocks until every rank has joined. Until then this rank takes part in the others'
-    allreduces with zeros (Average still divides by size()), in their allgathers with no
-    rows, and in their broadcasts and barriers, so ranks with uneven amounts of data do
-    not hang. `device` is accepted for Horovod compatibility (tensors stay on the host).
+    allreduces with zeros (Average still divides by size()) and in their barriers, so
+    ranks with uneven amounts of data do not hang. An allgather or a broadcast submitted
+    while some rank has joined raises on the ranks that called it, as in Horovod; they can
+    join afterwards. `device` is accepted for Horovod compatibility (tensors stay on the
+    host).
     """
     runtime = _rt.get("join()")
     request = Request("join", TensorSpec("join", "none", ()),
