@@ -112,6 +112,9 @@ def main() -> None:
     if rank == 0:
         print(f"checkpoint: {len(buffer.getvalue())} bytes, hook state for "
               f"{len(restored.keys())} {what} restored", flush=True)
+    # Every rank done with the group before any tears it down: a rank that destroys its
+    # group (and rank 0 its store) while a peer still uses them can abort that peer at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
