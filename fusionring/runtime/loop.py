@@ -414,7 +414,7 @@ class Runtime:
                                   f"submitted it")
         dtype = getattr(torch, spec.dtype, torch.uint8)
         tensor = torch.zeros(spec.shape, dtype=dtype)
-        if spec.kind in ("allreduce", "reducescatter"):
+        if spec.kind == "allreduce":
             tensor = real_view(tensor)
         request = Request(item.name, spec, tensor, tensor, root=spec.root,
                           submitted_at=time.monotonic())

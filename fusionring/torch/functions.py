@@ -1096,7 +1096,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     rank whatever each has run before (a counter would differ on a rank that skipped an
     unnamed operation, for example while it had joined).
     """
-    base = f"object.{name or type(obj).__name__}"
+    base = name or f"object.{type(obj).__name__}"
     payload = _to_bytes(obj)
     sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
                                         name=f"{base}.sizes"))
