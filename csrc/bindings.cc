@@ -212,6 +212,10 @@ class SharedMemoryAllreduce {
     impl_.allreduce(views, t, o, options);
   }
 
+  void band(std::uintptr_t address, std::size_t count, double timeout_s) {
+    py::gil_scoped_release release;
+    impl_.band(reinterpret_cast<std::uint64_t*>(address), count, timeout_s);
+  }
   void barrier(double timeout_s) {
     py::gil_scoped_release release;
     impl_.barrier(timeout_s);
@@ -310,6 +314,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_s") = 0.0,
            "In-place allreduce of the concatenation of the (address, bytes) buffers through a "
            "shared window: no pack or unpack copy (GIL released).")
+      .def("band_allreduce", &SharedMemoryAllreduce::band, py::arg("address"), py::arg("count"),
+           py::arg("timeout_s") = 0.0,
+           "In-place bitwise AND of `count` uint64 words at `address` across the ranks.")
       .def("barrier", &SharedMemoryAllreduce::barrier, py::arg("timeout_s") = 0.0)
       .def("close", &SharedMemoryAllreduce::close, py::arg("timeout_s"),
            "Free the window once every rank closes it too (collective); False, keeping it "

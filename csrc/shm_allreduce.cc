@@ -249,6 +249,25 @@ void ShmAllreduce::barrier(double timeout_s) {
   wait_for_all(++epoch_, timeout_s);
 }
 
+void ShmAllreduce::band(std::uint64_t* words, std::size_t count, double timeout_s) {
+  if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");
+  if (count * sizeof(std::uint64_t) > slot_bytes_) {
+    throw InvalidArgument("an AND of " + std::to_string(count) + " words does not fit a " +
+                          std::to_string(slot_bytes_) + "-byte shared-memory slot");
+  }
+  // The halves alternate with every operation, so no rank can overwrite the half its peers
+  // read here before they have all passed the next operation's wait.
+  const int half = static_cast<int>(pieces_ & 1);
+  std::memcpy(slot(rank_, half), words, count * sizeof(std::uint64_t));
+  wait_for_all(++epoch_, timeout_s);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const auto* theirs = reinterpret_cast<const std::uint64_t*>(slot(r, half));
+    for (std::size_t i = 0; i < count; ++i) words[i] &= theirs[i];
+  }
+  ++pieces_;
+}
+
 void ShmAllreduce::allreduce(const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
                              const ShmAllreduceOptions& o) {
   if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");

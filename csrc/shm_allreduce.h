@@ -45,6 +45,9 @@ class ShmAllreduce {
   void allreduce(const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
                  const ShmAllreduceOptions& options);
 
+  // Bitwise AND of `count` words across ranks, in place (the negotiation's round): one
+  // wait, where an allreduce over MPI waits 2(P-1) times. Every rank passes the same count.
+  void band(std::uint64_t* words, std::size_t count, double timeout_s = 0.0);
   // Returns once every rank has called it (a shared-memory barrier).
   void barrier(double timeout_s = 0.0);
 

@@ -265,7 +265,8 @@ class Negotiator:
     def __init__(self, comm, stall_warning_s: Optional[float],
                  stall_shutdown_s: Optional[float], core, cache_capacity: int = 16384) -> None:
         self._comm = comm
-        # The core's AND-allreduce waits as the runtime's wait policy says, GIL released.
+        # `core.band_allreduce(address, count)`: the AND of every rank's words, in place, GIL
+        # released (the core's over MPI, or the shared-memory window's).
         self._core = core
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()

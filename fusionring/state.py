@@ -131,6 +131,34 @@ def using(runtime: Optional[Runtime]):
         _current.reset(token)
 
 
+_burst: "contextvars.ContextVar[bool]" = contextvars.ContextVar("fusionring_burst", default=False)
+
+
+class burst:
+    """Operations started inside the block go to `runtime` (as using() does) and belong to a
+    burst (a backward pass's gradients): the runtime may gather them until the burst ends,
+    a caller waits on one, or a few cycle times pass, and negotiate them in one round
+    instead of starting a round for each. A class, not a generator: it wraps every
+    gradient's submission."""
+
+    __slots__ = ("_runtime", "_tokens")
+
+    def __init__(self, runtime: Optional[Runtime] = None) -> None:
+        self._runtime = runtime
+
+    def __enter__(self) -> None:
+        self._tokens = (_current.set(self._runtime), _burst.set(True))
+
+    def __exit__(self, *exc) -> None:
+        _burst.reset(self._tokens[1])
+        _current.reset(self._tokens[0])
+
+
+def in_burst() -> bool:
+    """Whether operations started here belong to a burst (see burst())."""
+    return _burst.get()
+
+
 def current() -> Optional[Runtime]:
     """The process set's runtime operations are routed to here, or None (global)."""
     return _current.get()

@@ -40,6 +40,14 @@ def test_defaults_without_variables(env):
     assert s.stall_warning_s == 60.0 and s.stall_shutdown_s is None
 
 
+def test_bursts_setting(env):
+    assert env().bursts == "auto"
+    assert env(FUSIONRING_BURSTS="0").bursts == "off"
+    assert env(FUSIONRING_BURSTS="ON").bursts == "on"
+    with pytest.raises(ValueError, match=r"FUSIONRING_BURSTS='sometimes': expected auto, on or off"):
+        env(FUSIONRING_BURSTS="sometimes")
+
+
 def test_horovod_variables_keep_their_meaning(env):
     s = env(HOROVOD_FUSION_THRESHOLD="33554432", HOROVOD_CYCLE_TIME="3.5",
             HOROVOD_TIMELINE="/tmp/x/timeline.json", HOROVOD_TIMELINE_MARK_CYCLES="0",

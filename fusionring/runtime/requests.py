@@ -34,9 +34,11 @@ class Request:
     # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.
     communicator: Optional[Callable[[ReductionContext], Optional[int]]] = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    nbytes: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        # Asked for many times per cycle (scheduling, routing, counting); the tensor is fixed.
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclasses.dataclass

@@ -88,21 +88,16 @@ def wait_policy(config: Settings, layout: HostLayout) -> Tuple[int, int]:
 
 
 def wants_shared_memory(config: Settings, layout: HostLayout) -> bool:
-    """Whether to map the shared-memory window: when configured and every rank shares this host.
-
-    "auto" also wants a core per rank: its waits sleep instead of spinning, and with
-    ranks (plus their loop threads) crowding too few cores, the wake-ups cost more
-    than the copies saved (measured: 4 ranks on 2 cores trained slower, 2 ranks on 2
-    cores faster).
-    """
+    """Whether to map the shared-memory window: when configured and every rank shares this host
+    (with more ranks than cores too: its waits sleep on a futex after a short spin, which
+    hands the core to a peer still computing, where a polled MPI wait holds on to it)."""
     mode = config.shared_memory
     if mode == "off" or layout.size == 1:
         return False
     one_host = layout.local_size == layout.size
-    enough_cores = layout.host_cores() >= layout.size
     if mode == "on" and not one_host:
         raise FusionRingError("FUSIONRING_SHARED_MEMORY=on needs every rank on one host")
-    return one_host and (mode != "auto" or enough_cores)
+    return one_host
 
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",

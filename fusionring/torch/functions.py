@@ -333,9 +333,10 @@ def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> N
 def _submit(requests: List[Request]) -> List[int]:
     runtime = _rt.get("a collective operation")
     handles = []
+    burst = _rt.in_burst()
     try:
         for request in requests:
-            handles.append(runtime.submit(request))
+            handles.append(runtime.submit(request, burst=burst))
     except BaseException:
         for h in handles:  # a later name clashed: do not leave earlier ones unowned
             try:

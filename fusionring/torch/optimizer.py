@@ -170,6 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [p for group in self.param_groups for p in group["params"]
                                  if p.requires_grad]
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._requires_update}
+        self._burst_left = len(self._requires_update)  # gradients of this step not yet submitted
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], object]] = {}
         # Each parameter's last compressed payload, reused by compressors with compress_into.
         self._wire_buffers: Dict[torch.Tensor, torch.Tensor] = {}
@@ -397,6 +398,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         handle, ctx = None, None
         if self._allreduce_delay[p] == 0:
             handle, ctx = self._allreduce_grad_async(p)
+            self._submitted(1)
         self._handles[p] = (handle, ctx)
 
     def _unit_member_ready(self, unit: _Unit, p: torch.Tensor) -> None:
@@ -432,10 +434,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             F.trace_compression(self._compression, unit.name, "compress", started,
                                 runtime=self._set_runtime)
         prescale, postscale = self._scale_factors()
-        with _rt.using(self._set_runtime):
+        with _rt.burst(self._set_runtime):
             unit.handle = F.allreduce_async_(payload, name=unit.name, op=self._op,
                                              prescale_factor=prescale,
                                              postscale_factor=postscale)
+        self._submitted(len(unit.members))
 
     def _finish_unit(self, unit: _Unit) -> None:
         """Wait for the unit's reduction; its members' gradients are views of the buffer."""
@@ -460,7 +463,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return 1.0, 1.0
 
     def _allreduce_grad_async(self, p: torch.Tensor):
-        with _rt.using(self._set_runtime):
+        # The gradients of one backward pass arrive within a short while: negotiated as one
+        # burst, they cost one round and one fused collective instead of several.
+        with _rt.burst(self._set_runtime):
             return self._submit_grad(p)
 
     def _submit_grad(self, p: torch.Tensor):
@@ -474,6 +479,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                 op=self._op), _SPARSE
             grad = grad.to_dense()  # reduced dense; the result goes back sparse
         prescale, postscale = self._scale_factors()
+        if self._caps.identity:  # nothing to compress, trace or check: the common case
+            return F.allreduce_async_(grad, name=self._parameter_names[p], op=self._op,
+                                      prescale_factor=prescale,
+                                      postscale_factor=postscale), None
         if self._caps.in_runtime:
             # The compressor reduces the fused buffer itself; its decompress(x, None) is x.
             handle = F.allreduce_async_(grad, name=self._tensor_name(p), op=self._op,
@@ -559,6 +568,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             elif handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         errors = []
+        identity = self._caps.identity and not self._adasum
         for p, (handle, ctx) in self._handles.items():
             if isinstance(ctx, _Unit):
                 if ctx.handle is not None:
@@ -578,6 +588,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 errors.append(exc)
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
+            if identity and ctx is not _SPARSE and not p.grad.is_sparse:
+                if output.data_ptr() != p.grad.data_ptr():  # reduced in place: nothing to do
+                    with torch.no_grad():
+                        p.grad.copy_(output)
+                continue
             into = self._compression.decompress_into if self._caps.reduces_into else None
             started = time.perf_counter()
             if (into is not None and ctx is not _SPARSE and not self._adasum
@@ -623,6 +638,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Every parameter starts counting its backward passes afresh.
         for p in self._requires_update:
             self._allreduce_delay[p] = self.backward_passes_per_step
+        self._burst_left = len(self._requires_update)
+
+    def _submitted(self, count: int) -> None:
+        """`count` more gradients are on their way; after the step's last one, the runtime
+        negotiates what it gathered at once instead of waiting out its burst window."""
+        self._burst_left -= count
+        if self._burst_left == 0:
+            runtime = self._set_runtime or _rt.routed()
+            if runtime is not None:
+                runtime.end_burst()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -697,6 +722,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                     f"{len(self._requires_update)}")
                 self._requires_update.append(p)
                 self._allreduce_delay[p] = self.backward_passes_per_step
+                self._burst_left += 1
                 if self._size > 1:
                     self._hook_handles.append(
                         p.register_post_accumulate_grad_hook(self._on_grad_ready))
