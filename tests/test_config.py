@@ -171,6 +171,16 @@ def test_core_share(local_cores, rank, share):
     assert _Host(local_cores, rank).core_share() == pytest.approx(share)
 
 
+@pytest.mark.parametrize("local_cores, oversubscribed", [
+    ([[0, 1]] * 4, True),   # 4 unbound ranks on 2 cores
+    ([[0, 1]] * 2, False),
+    ([[0], [0], [1]], True),  # two ranks bound to one core still make 3 ranks on 2 cores
+    ([[0, 1], [2, 3], [4, 5]], False),
+])
+def test_oversubscribed(local_cores, oversubscribed):
+    assert _Host(local_cores, 0)._layout().oversubscribed() is oversubscribed
+
+
 def test_wait_policy_polls_briefly_then_naps_unless_told_to_spin(env):
     from fusionring.runtime.topology import HostLayout, wait_policy
     one_host = _Host([[0], [1]])._layout()

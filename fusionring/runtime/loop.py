@@ -83,8 +83,8 @@ class Runtime:
         # one wait (a short spin, then a futex sleep that hands the core to a peer still
         # computing) instead of an MPI allreduce's 2(P-1) polled ones. With a core per rank
         # the polled AND answers sooner (2 ranks: 0.57 against 0.61 s, bench_small.py).
-        band_core = (self._shm if self._shm is not None
-                     and self.layout.host_cores() < self.size else control_core)
+        band_core = (self._shm if self._shm is not None and self.layout.oversubscribed()
+                     else control_core)
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
                                       self.config.stall_shutdown_s, band_core,
                                       cache_capacity=self.config.cache_capacity)
@@ -121,7 +121,7 @@ class Runtime:
         # and overlaps the rest of the pass (2 ranks on 2 cores: 0.57 s held against 0.53 s
         # not, bench_small.py); with more ranks than cores, holding gave 1.02 against 1.34 s.
         self._hold_bursts = (self.config.bursts == "on" or self.config.bursts == "auto"
-                             and self.layout.local_size > self.layout.host_cores())
+                             and self.layout.oversubscribed())
         self._pending: "collections.OrderedDict[str, Request]" = collections.OrderedDict()
         self._handles: Dict[int, Request] = {}
         self._in_flight: Dict[str, Request] = {}

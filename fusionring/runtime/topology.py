@@ -46,6 +46,10 @@ class HostLayout:
         """How many distinct cores the ranks of this host may run on, together."""
         return len(set().union(*map(set, self.local_cores)))
 
+    def oversubscribed(self) -> bool:
+        """Whether this host's ranks outnumber the cores they may run on."""
+        return self.local_size > self.host_cores()
+
     def core_share(self) -> float:
         """How many cores this rank has to itself: each core it may run on counts 1/k when k
         ranks of this host may run there (ranks bound to their own cores: all of them)."""
