@@ -43,12 +43,13 @@ from bench_nm import write_section  # noqa: E402
 
 KINDS = ["hyper", "norm", "round_robin", "random"]
 FRACTIONS = [0.25, 0.5]
-# hyper's default (max_wait=None) lets a layer wait as long as its alpha stays still; the
-# "hyper+wait8" rows add max_wait=8 (no layer waits more than 8 steps) to show what that costs.
+# hyper's default lets a waiting layer's probability accumulate until it is sent; the
+# "hyper-topk" rows take each step's k most probable alone (accumulate=False), the seed's
+# literal rule, with which a layer whose alpha stays still waits as long as it stays still.
 WAIT = 8
 CONFIGS: List[Tuple[str, Optional[str], Optional[float]]] = [("dense", None, None)] + [
     (f"{kind} {fraction}", kind, fraction) for fraction in FRACTIONS
-    for kind in KINDS + ["hyper+wait8"]]
+    for kind in KINDS + ["hyper-topk"]]
 
 
 class Block(nn.Module):
@@ -115,8 +116,8 @@ def selector(kind: Optional[str], fraction: Optional[float], model: nn.Module, s
         return None
     if kind == "hyper":
         return hvd.LayerSelection.hyper(model, fraction=fraction)
-    if kind == "hyper+wait8":
-        return hvd.LayerSelection.hyper(model, fraction=fraction, max_wait=WAIT)
+    if kind == "hyper-topk":
+        return hvd.LayerSelection.hyper(model, fraction=fraction, accumulate=False)
     if kind == "random":
         return hvd.LayerSelection.random(fraction, seed=seed)
     return getattr(hvd.LayerSelection, kind)(fraction)
@@ -184,10 +185,13 @@ def replay(epochs: int, lr: float) -> None:
     agreement of one rank is its own scores), a global batch of 128 as the 4-rank runs.
     """
     (x_train, y_train), (x_test, y_test) = load_digits_split(1234)
-    for kind, max_wait in [("hyper", None), ("hyper", WAIT), ("norm", None), ("round_robin", None)]:
+    for kind, max_wait, accumulate in [("hyper", None, True), ("hyper", None, False),
+                                       ("hyper", WAIT, False), ("norm", None, True),
+                                       ("round_robin", None, True)]:
         torch.manual_seed(0)
         model = build("mlp")
-        sel = (hvd.LayerSelection.hyper(model, fraction=0.25, max_wait=max_wait)
+        sel = (hvd.LayerSelection.hyper(model, fraction=0.25, max_wait=max_wait,
+                                        accumulate=accumulate)
                if kind == "hyper" else getattr(hvd.LayerSelection, kind)(0.25))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                        named_parameters=model.named_parameters(),
@@ -206,7 +210,8 @@ def replay(epochs: int, lr: float) -> None:
                     longest[i] = max(longest[i], waited)
         with torch.no_grad():
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item() * 100
-        print(f"{kind:<12} max_wait={max_wait!s:<5} {steps} steps  sent per layer {sent}  "
+        acc_label = accumulate if kind == "hyper" else "-"
+        print(f"{kind:<12} max_wait={max_wait!s:<5} accumulate={acc_label!s:<5} {steps} steps  sent per layer {sent}  "
               f"longest wait {longest}  accuracy {accuracy:.1f}", flush=True)
 
 
@@ -218,7 +223,7 @@ def plot(results: Dict, models: List[str], seeds: List[int], out_dir: Path,
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    colors = {"dense": "black", "hyper": "tab:red", "hyper+wait8": "tab:purple", "norm": "tab:blue",
+    colors = {"dense": "black", "hyper": "tab:red", "hyper-topk": "tab:purple", "norm": "tab:blue",
               "round_robin": "tab:green", "random": "tab:orange"}
     for ax, model_name in zip(axes[0], models):
         dense_bytes = statistics.mean(results[model_name]["dense"][s]["bytes_per_step"]
@@ -303,7 +308,7 @@ def report(results: Dict, models: List[str], seeds: List[int], args, loads: Dict
         lines.append("")
         # The targets, plainly.
         lines += ["Targets at fraction 0.25:", ""]
-        for kind in KINDS + ["hyper+wait8"]:
+        for kind in KINDS + ["hyper-topk"]:
             if f"{kind} 0.25" not in res:
                 continue
             runs = [res[f"{kind} 0.25"][s] for s in seeds]
@@ -321,7 +326,7 @@ def report(results: Dict, models: List[str], seeds: List[int], args, loads: Dict
             b_runs = [res[f"{best} {fraction}"][s] for s in seeds]
             b_acc = statistics.mean(r["accuracy"] for r in b_runs)
             b_bytes = statistics.mean(r["bytes_per_step"] for r in b_runs)
-            for variant in ["hyper", "hyper+wait8"]:
+            for variant in ["hyper", "hyper-topk"]:
                 if f"{variant} {fraction}" not in res:
                     continue
                 hyper = [res[f"{variant} {fraction}"][s] for s in seeds]

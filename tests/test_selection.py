@@ -197,3 +197,50 @@ def test_hyper_scores_stay_finite_where_alpha_underflows():
         scores = sel.scores(_grads(model))
     assert all(s == s and abs(s) != float("inf") for s in scores)
     assert all(torch.isfinite(p).all() for p in sel.net_params)
+
+
+# Recorded summed probabilities of 8 layers: two the hypernetwork moves a lot, five a little,
+# one barely (an alpha that has stopped moving).
+STILL = [10.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.05]
+
+
+def _sends(sel, steps, scores=STILL):
+    counts = [0] * len(scores)
+    for _ in range(steps):
+        for i in sel.choose(scores):
+            counts[i] += 1
+        sel.acc.settle([], sel.layers, {})  # choose() alone decides; waits do not force here
+    return counts
+
+
+def test_hyper_top_k_alone_starves_a_still_layer_and_accumulation_sends_it():
+    literal = _sends(LayerSelection.hyper(_deep(), k=2, accumulate=False), 200)
+    assert literal == [200, 200, 0, 0, 0, 0, 0, 0]
+    counts = _sends(LayerSelection.hyper(_deep(), k=2), 200)
+    assert sum(counts) == 400 and all(c > 0 for c in counts)
+    # More probability, more sends: a layer earns k * p / sum(p) of a send per step.
+    assert counts[0] >= counts[1] > max(counts[2:7]) >= min(counts[2:7]) > counts[7]
+    share = [2 * s / sum(STILL) for s in STILL]
+    for c, q in zip(counts[2:], share[2:]):  # a layer under one send per step gets about its share
+        assert abs(c / 200 - q) <= 0.5 * q + 0.01
+
+
+def test_hyper_credit_follows_the_rule_and_round_trips():
+    sel = LayerSelection.hyper(_deep(), k=2)
+    ref = [0.0] * 8
+    for step in range(30):
+        scores = [float((step * 7 + i * 3) % 5) + 0.1 * i for i in range(8)]
+        ref = [c + 2 * s / sum(scores) for c, s in zip(ref, scores)]
+        want = sorted(sorted(range(8), key=lambda i: (-ref[i], i))[:2])
+        for i in want:
+            ref[i] = 0.0
+        assert sel.choose(scores) == want
+    twin = LayerSelection.hyper(_deep(), k=2)
+    twin.load_state_dict(sel.state_dict())
+    assert _sends(twin, 20) == _sends(sel, 20)
+
+
+def test_hyper_with_no_probability_yet_takes_the_first_layers_and_earns_nothing():
+    sel = LayerSelection.hyper(_deep(), k=2)
+    assert sel.choose([0.0] * 8) == [0, 1]
+    assert sel.credit == [0.0] * 8

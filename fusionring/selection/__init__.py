@@ -19,8 +19,10 @@ class LayerSelection:
     @staticmethod
     def hyper(model: torch.nn.Module, fraction: Optional[float] = 0.25, ema: float = 0.9,
               hidden: int = 64, lr: float = 1e-3, max_wait: Optional[int] = None,
-              k: Optional[int] = None) -> HyperSelector:
-        return HyperSelector(model, None if k is not None else fraction, k, ema, hidden, lr, max_wait)
+              k: Optional[int] = None, accumulate: bool = True) -> HyperSelector:
+        """The hypernetwork selector (seed 002); ``accumulate=False`` takes this step's top k only."""
+        return HyperSelector(model, None if k is not None else fraction, k, ema, hidden, lr, max_wait,
+                             accumulate=accumulate)
 
     @staticmethod
     def norm(fraction: Optional[float] = None, k: Optional[int] = None,

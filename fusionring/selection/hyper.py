@@ -5,28 +5,38 @@ is read as W_l * (alpha_l / stopgrad(alpha_l)), whose value is W_l, so the task 
 with respect to alpha_l is <dL/dW_l, W_l> / alpha_l, computed from the gradients backward has
 already produced (pushed into the logits as <dL/dW_l, W_l> (1 - alpha_l), which stays finite
 where a sigmoid underflows). That gradient is pushed through the hypernetwork with its own Adam. A layer's
-selection probability is the EMA of |alpha_t - alpha_{t-1}|; the k most probable are sent.
+selection probability is the EMA of |alpha_t - alpha_{t-1}|.
+
+Which k are sent: with ``accumulate=True`` (the default) a layer's probability accumulates while it
+waits, as its gradient does. Each step every layer earns its share of the step's k sends
+(k * p_l / sum(p), from the probabilities summed across ranks), the k layers that have earned
+the most since they were last sent travel, and theirs starts again from zero. A layer that
+the hypernetwork rates rarely is sent rarely, but it is sent: taking this step's k most
+probable alone (``accumulate=False``) lets a layer whose alpha has stopped moving wait for
+the whole run.
 """
 from __future__ import annotations
 
 import copy
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .base import top_k
 from .selector import LayerSelector
 
 
 class HyperSelector(LayerSelector):
     def __init__(self, model: Optional[torch.nn.Module] = None, fraction: Optional[float] = None,
                  k: Optional[int] = None, ema: float = 0.9, hidden: int = 64, lr: float = 1e-3,
-                 max_wait: Optional[int] = None, seed: int = 0) -> None:
+                 max_wait: Optional[int] = None, seed: int = 0, accumulate: bool = True) -> None:
         if not 0.0 <= float(ema) < 1.0:
             raise ValueError(f"layer_selection: ema={ema} must lie in [0, 1)")
         if int(hidden) < 1:
             raise ValueError(f"layer_selection: hidden={hidden} must be >= 1")
         self.ema, self.hidden, self.lr, self.seed = float(ema), int(hidden), float(lr), int(seed)
+        self.accumulate = bool(accumulate)
         super().__init__(fraction, k, max_wait, model)
 
     def _attached(self) -> None:
@@ -42,6 +52,8 @@ class HyperSelector(LayerSelector):
         self.optimizer = torch.optim.Adam(self.net_params, lr=self.lr, foreach=True)
         self.prev_alpha: Optional[torch.Tensor] = None
         self.prob = torch.zeros(n, dtype=torch.float64)
+        # Each layer's share of the sends earned since it was last sent (accumulate=True).
+        self.credit = [0.0] * n
 
     def logits(self) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(self.embedding)))
@@ -79,12 +91,30 @@ class HyperSelector(LayerSelector):
             self.prev_alpha = now
         return self.prob.tolist()
 
+    def choose(self, total_scores: Sequence[float]) -> List[int]:
+        """The agreed layers: this step's top k, or (accumulate) the most credit since last sent.
+
+        ``total_scores`` are the probabilities summed across ranks, identical everywhere, so
+        the credit, and the choice, are identical on every rank too.
+        """
+        if not self.accumulate:
+            return super().choose(total_scores)
+        assert self.acc is not None
+        total = sum(float(s) for s in total_scores)
+        if total > 0.0:
+            self.credit = [c + self.k * float(s) / total
+                           for c, s in zip(self.credit, total_scores)]
+        chosen = top_k(self.credit, self.k, self.acc.forced())
+        for i in chosen:
+            self.credit[i] = 0.0
+        return chosen
+
     def state_dict(self) -> dict:
         return {**super().state_dict(),
                 "net": [p.detach().clone() for p in self.net_params],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "prev_alpha": None if self.prev_alpha is None else self.prev_alpha.clone(),
-                "prob": self.prob.clone()}
+                "prob": self.prob.clone(), "credit": list(self.credit)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -94,3 +124,5 @@ class HyperSelector(LayerSelector):
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.prev_alpha = None if state["prev_alpha"] is None else state["prev_alpha"].clone()
         self.prob = state["prob"].clone()
+        # A state saved before credit existed resumes with none earned.
+        self.credit = list(state.get("credit", [0.0] * len(self.layers)))
