@@ -1,5 +1,6 @@
-"""Layer selection under the parameter server: each worker pushes its own top-k layers, the rest wait on the
+"""Layer selection under the parameter server: each worker pushes its own k layers (norm, hyper), the rest wait on the
 worker; the accumulation identity holds and the parameters match a single-process reference."""
+import pytest
 import torch
 
 from conftest import run_ranks
@@ -23,13 +24,20 @@ def batch(worker, step):
     g = torch.Generator().manual_seed(1000 * step + worker)
     return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
 
+KIND = "@KIND@"
+
+def selection(m):
+    if KIND == "hyper":  # each worker's hypernetwork learns, and earns credit, from its own gradients
+        return hvd.LayerSelection.hyper(m, fraction=0.5, hidden=8, lr=1e-2)
+    return hvd.LayerSelection.norm(fraction=0.5)
+
 model, ref = build(), build()
 opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
                               named_parameters=model.named_parameters(), sync="bsp",
-                              layer_selection=hvd.LayerSelection.norm(fraction=0.5))
+                              layer_selection=selection(model))
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
 # the reference: one selector per worker, each choosing from its own accumulated gradients
-ref_sel = [hvd.LayerSelection.norm(fraction=0.5) for _ in range(W)]
+ref_sel = [selection(ref) for _ in range(W)]
 for s in ref_sel:
     s.attach(ref.named_parameters())
 raw_sum = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -59,9 +67,10 @@ report({"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(
 '''
 
 
-def test_each_worker_pushes_its_own_layers_and_keeps_the_rest(tmp_path):
+@pytest.mark.parametrize("kind", ["norm", "hyper"])
+def test_each_worker_pushes_its_own_layers_and_keeps_the_rest(tmp_path, kind):
     record_path = str(tmp_path / "arrivals")
-    results = run_ranks(3, SCRIPT, tmp_path, timeout=150, env={"FUSIONRING_PS_RECORD": record_path})
+    results = run_ranks(3, SCRIPT.replace("@KIND@", kind), tmp_path, timeout=150, env={"FUSIONRING_PS_RECORD": record_path})
     record = torch.load(record_path + ".server0", weights_only=False)
     pushes = [e for e in record["events"] if e[0] == "push"]
     names = record["names"]
