@@ -191,6 +191,14 @@ class Communicator {
   MpiTransport transport_;
 };
 
+ShmAllreduceOptions shm_options(double prescale, double postscale, double timeout_s) {
+  ShmAllreduceOptions options;
+  options.prescale = prescale;
+  options.postscale = postscale;
+  options.timeout_s = timeout_s;
+  return options;
+}
+
 class SharedMemoryAllreduce {
  public:
   SharedMemoryAllreduce(std::uintptr_t handle, std::size_t slot_bytes)
@@ -204,10 +212,7 @@ class SharedMemoryAllreduce {
     const DType t = dtype_from_int(dtype);
     const ReduceOp o = op_from_int(op);
     auto views = views_of(addresses, bytes);
-    ShmAllreduceOptions options;
-    options.prescale = prescale;
-    options.postscale = postscale;
-    options.timeout_s = timeout_s;
+    const ShmAllreduceOptions options = shm_options(prescale, postscale, timeout_s);
     py::gil_scoped_release release;
     impl_.allreduce(views, t, o, options);
   }
@@ -215,6 +220,18 @@ class SharedMemoryAllreduce {
   void band(std::uintptr_t address, std::size_t count, double timeout_s) {
     py::gil_scoped_release release;
     impl_.band(reinterpret_cast<std::uint64_t*>(address), count, timeout_s);
+  }
+  bool band_then_allreduce(std::uintptr_t words, std::size_t count,
+                           const std::vector<std::uintptr_t>& addresses,
+                           const std::vector<std::size_t>& bytes, int dtype, int op,
+                           double prescale, double postscale, double timeout_s) {
+    const DType t = dtype_from_int(dtype);
+    const ReduceOp o = op_from_int(op);
+    auto views = views_of(addresses, bytes);
+    const ShmAllreduceOptions options = shm_options(prescale, postscale, timeout_s);
+    py::gil_scoped_release release;
+    return impl_.band_then_allreduce(reinterpret_cast<std::uint64_t*>(words), count, views, t, o,
+                                     options);
   }
   void barrier(double timeout_s) {
     py::gil_scoped_release release;
@@ -317,6 +334,13 @@ PYBIND11_MODULE(_C, m) {
       .def("band_allreduce", &SharedMemoryAllreduce::band, py::arg("address"), py::arg("count"),
            py::arg("timeout_s") = 0.0,
            "In-place bitwise AND of `count` uint64 words at `address` across the ranks.")
+      .def("band_then_allreduce", &SharedMemoryAllreduce::band_then_allreduce, py::arg("address"),
+           py::arg("count"), py::arg("addresses"), py::arg("bytes"), py::arg("dtype"),
+           py::arg("op"), py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+           py::arg("timeout_s") = 0.0,
+           "band_allreduce and, in the same wait, the in-place allreduce of the buffers; the "
+           "buffers are reduced (True on every rank) only when every rank passed identical "
+           "words, else only the AND is done (False on every rank).")
       .def("barrier", &SharedMemoryAllreduce::barrier, py::arg("timeout_s") = 0.0)
       .def("close", &SharedMemoryAllreduce::close, py::arg("timeout_s"),
            "Free the window once every rank closes it too (collective); False, keeping it "

@@ -48,6 +48,16 @@ inline void cpu_relax() {
 #endif
 }
 
+// The buffers' total bytes; each must hold a whole number of `esz`-byte elements.
+std::size_t whole_elements(const std::vector<BufferView>& buffers, std::size_t esz) {
+  std::size_t total = 0;
+  for (const auto& v : buffers) {
+    if (v.bytes % esz != 0) throw InvalidArgument("buffer size is not a whole number of elements");
+    total += v.bytes;
+  }
+  return total;
+}
+
 std::size_t round_up(std::size_t value, std::size_t to) { return (value + to - 1) / to * to; }
 
 // A process that has exited (or is a zombie waiting to be reaped) cannot arrive.
@@ -93,6 +103,11 @@ void copy_range(const std::vector<BufferView>& views, std::size_t offset, std::s
 struct alignas(kLine) RankLine {
   std::atomic<std::uint64_t> epoch;
   std::int64_t pid;
+  // Per half of the double buffer, what the rank offered with the operation that uses it:
+  // band_then_allreduce's bytes + 1, or 0 (band, an allreduce's piece). Written before the
+  // operation's first wait, read after it; like the slot halves, rewritten only once every
+  // rank has passed the next operation's wait.
+  std::uint64_t offered[2];
 };
 static_assert(sizeof(RankLine) == kLine, "one cache line per rank");
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
@@ -259,6 +274,7 @@ void ShmAllreduce::band(std::uint64_t* words, std::size_t count, double timeout_
   // read here before they have all passed the next operation's wait.
   const int half = static_cast<int>(pieces_ & 1);
   std::memcpy(slot(rank_, half), words, count * sizeof(std::uint64_t));
+  (&header_->ranks[0] + rank_)->offered[half] = 0;
   wait_for_all(++epoch_, timeout_s);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
@@ -268,15 +284,76 @@ void ShmAllreduce::band(std::uint64_t* words, std::size_t count, double timeout_
   ++pieces_;
 }
 
+void ShmAllreduce::reduce_piece(const std::vector<BufferView>& buffers, std::size_t first,
+                                std::size_t n, int half, std::size_t at, DType dtype, ReduceOp op,
+                                const ShmAllreduceOptions& o) {
+  // Each rank owns 1/P of the piece; rank 0's slot collects every result, added in rank
+  // order whoever computes it.
+  const std::size_t esz = element_size(dtype);
+  const Chunking chunks(n, static_cast<std::size_t>(size_));
+  const std::size_t begin = at + chunks.begin(static_cast<std::size_t>(rank_)) * esz;
+  const std::size_t len = chunks.length(static_cast<std::size_t>(rank_));
+  if (len) {
+    char* acc = slot(0, half) + begin;
+    for (int r = 1; r < size_; ++r) reduce_into(acc, slot(r, half) + begin, len, dtype, op);
+    if (o.postscale != 1.0) scale_in_place(acc, len, dtype, o.postscale);
+  }
+  wait_for_all(++epoch_, o.timeout_s);
+  copy_range(buffers, first * esz, n * esz, slot(0, half) + at, false);
+  ++pieces_;
+}
+
+bool ShmAllreduce::band_then_allreduce(std::uint64_t* words, std::size_t count,
+                                       const std::vector<BufferView>& buffers, DType dtype,
+                                       ReduceOp op, const ShmAllreduceOptions& o) {
+  if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");
+  const std::size_t esz = element_size(dtype);
+  const std::size_t total = whole_elements(buffers, esz);
+  const std::size_t data_at = round_up(count * sizeof(std::uint64_t), kLine);
+  if (data_at + total > slot_bytes_) {
+    throw InvalidArgument("an AND of " + std::to_string(count) + " words and " +
+                          std::to_string(total) + " bytes do not fit a " +
+                          std::to_string(slot_bytes_) + "-byte shared-memory slot");
+  }
+  const int half = static_cast<int>(pieces_ & 1);
+  char* mine = slot(rank_, half);
+  std::memcpy(mine, words, count * sizeof(std::uint64_t));
+  const std::size_t n = total / esz;
+  copy_range(buffers, 0, total, mine + data_at, true);
+  if (o.prescale != 1.0) scale_in_place(mine + data_at, n, dtype, o.prescale);
+  const std::uint64_t offered = total + 1;
+  (&header_->ranks[0] + rank_)->offered[half] = offered;
+  wait_for_all(++epoch_, o.timeout_s);
+
+  // The words are the round's AND, as band() gives it. Whether the data is reduced too is
+  // decided from what every rank reads alike: only when every rank offered data of the
+  // same size (band() offers none) and every rank's words equal every other's (the same
+  // tensors ready everywhere, so laid out alike).
+  const auto* own = reinterpret_cast<const std::uint64_t*>(mine);
+  const RankLine* lines = &header_->ranks[0];
+  bool identical = true;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    identical = identical && lines[r].offered[half] == offered;
+    const auto* theirs = reinterpret_cast<const std::uint64_t*>(slot(r, half));
+    for (std::size_t i = 0; i < count; ++i) {
+      identical = identical && theirs[i] == own[i];
+      words[i] &= theirs[i];
+    }
+  }
+  if (!identical) {
+    ++pieces_;
+    return false;
+  }
+  reduce_piece(buffers, 0, n, half, data_at, dtype, op, o);
+  return true;
+}
+
 void ShmAllreduce::allreduce(const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
                              const ShmAllreduceOptions& o) {
   if (win_ == MPI_WIN_NULL) throw InvalidArgument("the shared-memory window has been closed");
   const std::size_t esz = element_size(dtype);
-  std::size_t total = 0;
-  for (const auto& v : buffers) {
-    if (v.bytes % esz != 0) throw InvalidArgument("buffer size is not a whole number of elements");
-    total += v.bytes;
-  }
+  const std::size_t total = whole_elements(buffers, esz);
   const std::size_t count = total / esz;
   const std::size_t piece_max = slot_bytes_ / esz;
   for (std::size_t done = 0; done < count;) {
@@ -285,22 +362,9 @@ void ShmAllreduce::allreduce(const std::vector<BufferView>& buffers, DType dtype
     char* mine = slot(rank_, half);
     copy_range(buffers, done * esz, n * esz, mine, true);
     if (o.prescale != 1.0) scale_in_place(mine, n, dtype, o.prescale);
+    (&header_->ranks[0] + rank_)->offered[half] = 0;
     wait_for_all(++epoch_, o.timeout_s);
-
-    // Each rank owns 1/P of the piece; rank 0's slot collects every result, added in rank
-    // order whoever computes it.
-    const Chunking chunks(n, static_cast<std::size_t>(size_));
-    const std::size_t begin = chunks.begin(static_cast<std::size_t>(rank_)) * esz;
-    const std::size_t len = chunks.length(static_cast<std::size_t>(rank_));
-    if (len) {
-      char* acc = slot(0, half) + begin;
-      for (int r = 1; r < size_; ++r) reduce_into(acc, slot(r, half) + begin, len, dtype, op);
-      if (o.postscale != 1.0) scale_in_place(acc, len, dtype, o.postscale);
-    }
-    wait_for_all(++epoch_, o.timeout_s);
-
-    copy_range(buffers, done * esz, n * esz, slot(0, half), false);
-    ++pieces_;
+    reduce_piece(buffers, done, n, half, 0, dtype, op, o);
     done += n;
   }
 }

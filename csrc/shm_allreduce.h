@@ -48,6 +48,14 @@ class ShmAllreduce {
   // Bitwise AND of `count` words across ranks, in place (the negotiation's round): one
   // wait, where an allreduce over MPI waits 2(P-1) times. Every rank passes the same count.
   void band(std::uint64_t* words, std::size_t count, double timeout_s = 0.0);
+  // band() and, in the same wait, the allreduce of `buffers` (which must fit one slot
+  // after the words): the data is reduced, and true returned, only when every rank called
+  // this with identical words and the same number of bytes; otherwise (a rank called band(),
+  // or passed other words or sizes) only the AND is done, exactly as band() does it, and
+  // false is returned on every rank.
+  bool band_then_allreduce(std::uint64_t* words, std::size_t count,
+                           const std::vector<BufferView>& buffers, DType dtype, ReduceOp op,
+                           const ShmAllreduceOptions& options);
   // Returns once every rank has called it (a shared-memory barrier).
   void barrier(double timeout_s = 0.0);
 
@@ -62,6 +70,12 @@ class ShmAllreduce {
   struct Header;
   char* slot(int rank, int half) const;
   void wait_for_all(std::uint64_t epoch, double timeout_s);
+  // After a piece's first wait: reduce this rank's 1/P of the `n` elements at byte `at` of
+  // every slot's `half` into rank 0's, wait, copy the result into `buffers` from element
+  // `first` on, and move to the other half.
+  void reduce_piece(const std::vector<BufferView>& buffers, std::size_t first, std::size_t n,
+                    int half, std::size_t at, DType dtype, ReduceOp op,
+                    const ShmAllreduceOptions& options);
 
   MPI_Win win_ = MPI_WIN_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;

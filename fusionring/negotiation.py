@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -94,6 +94,7 @@ class Outcome:
     all_idle: bool = False    # no rank had anything pending or held when the cycle began
     settled: bool = False     # everything pending anywhere was ready everywhere this cycle
     last_joined: int = -1     # with join_done: the rank that joined last
+    reduced: bool = False     # `ready` was reduced within the round itself (cycle's `reduce`)
 
 
 def display_name(name: str) -> str:
@@ -290,14 +291,33 @@ class Negotiator:
         # first, since this runs for every pending tensor in every cycle.
         return entry if entry is not None and (entry.spec is spec or entry.spec == spec) else None
 
+    def cached_order(self, pending: Sequence[Tuple[str, TensorSpec]]) -> Optional[List[int]]:
+        """Positions of `pending` in cache-id order (the order a round makes them ready), or
+        None when one of them is not cached."""
+        ids = []
+        for i, (name, spec) in enumerate(pending):
+            entry = self._cached(name, spec)
+            if entry is None:
+                return None
+            ids.append((entry.cache_id, i))
+        return [i for _, i in sorted(ids)]
+
+    def round_words(self) -> int:
+        """How many words the next round's AND carries."""
+        return _HEADER_WORDS + self._rank_words + 2 * ((len(self._names_by_id) + 63) // 64)
+
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
               shutdown: bool, stall_check: bool, joined: bool = False,
-              idle: bool = True) -> Outcome:
+              idle: bool = True, reduce: Optional[Callable[[int, int], bool]] = None) -> Outcome:
         """One agreement round. `pending` holds (name, spec, age_s) per request.
 
         `flush` is this rank's vote to release incomplete fusion groups; it carries only
         when every rank votes, so a group is never split while a member can still come.
         `joined`: this rank is inside join(); `idle`: it holds nothing else unfinished.
+        `reduce(address, count)`: the window's band_then_allreduce over every pending
+        tensor, offered when all of them would be one fused batch; if every rank offers the
+        same bytes with identical words, the batch is reduced within the round
+        (`Outcome.reduced`), else the round is only the AND.
         """
         self.cycles += 1
         # Bit sets as Python ints: one conversion to words per cycle instead of a numpy
@@ -313,6 +333,8 @@ class Negotiator:
         if self.joined_ranks and not joined and any(
                 not self._joinable(spec) for _, spec, _ in pending):
             uncached = True  # rank 0 decides: the error to raise
+        if uncached or shutdown or stall_check or joined or self.joined_ranks or not pending:
+            reduce = None
         flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_SHUTDOWN if shutdown else 0)
                  | (FLAG_STALL_CHECK if stall_check else 0))
         n_ids = (len(self._names_by_id) + 63) // 64
@@ -335,7 +357,11 @@ class Negotiator:
             + mine.to_bytes(8 * n_ids, "little")
             + (all_ones & ~really_pending).to_bytes(8 * n_ids, "little"),
             dtype=np.uint64)
-        self._core.band_allreduce(words.ctypes.data, words.size)
+        if reduce is None:
+            self._core.band_allreduce(words.ctypes.data, words.size)
+            reduced = False
+        else:
+            reduced = reduce(words.ctypes.data, words.size)
         raw = words.tobytes()
 
         def field(lo: int, hi: int) -> int:  # words [lo, hi) as one integer
@@ -343,7 +369,7 @@ class Negotiator:
 
         all_flags = ~field(0, 1) & 0xFFFFFFFFFFFFFFFF
         all_idle = bool(field(2, 3))
-        outcome = Outcome(flush=bool(field(1, 2)), all_idle=all_idle)
+        outcome = Outcome(flush=bool(field(1, 2)), all_idle=all_idle, reduced=reduced)
         self._note_joined(rank_ones & ~field(_HEADER_WORDS, base), outcome, all_idle=all_idle)
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)

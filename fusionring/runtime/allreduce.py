@@ -94,6 +94,8 @@ class SharedMemoryAllreduce(AllreduceOp):
     """The shared-memory window (csrc/shm_allreduce.cc), when every rank shares this host:
     the window's copy in and out replaces the pack and unpack."""
 
+    _round_started = 0.0  # when the last with_round began (count_round traces from it)
+
     def enabled(self, requests: List[Request], kind: str) -> bool:
         rt = self._rt
         if (rt._shm is None or requests[0].communicator is not None
@@ -124,6 +126,28 @@ class SharedMemoryAllreduce(AllreduceOp):
             timeline.span(lane(requests), "reduce", t0, time.perf_counter(),
                           {"tensors": len(requests), "bytes": total,
                            "transport": "shared memory"})
+
+
+    def with_round(self, requests: List[Request], address: int, count: int) -> bool:
+        """The negotiation round's AND of `count` words at `address` and, when every rank
+        offered identical words, the in-place reduction of `requests` in the same wait."""
+        rt = self._rt
+        first = requests[0]
+        self._round_started = time.perf_counter()
+        return rt._shm.band_then_allreduce(
+            address, count, [r.output.data_ptr() for r in requests], [r.nbytes for r in requests],
+            DTYPE_CODES[first.output.dtype], first.core_op, first.prescale, first.postscale,
+            0.0)  # as the round's AND: a late peer is waited for (stall checks report it)
+
+    def count_round(self, requests: List[Request]) -> None:
+        """Count (and trace) a batch reduced by with_round."""
+        total = sum(r.nbytes for r in requests)
+        self._count(requests, total, None)
+        timeline = self._rt._timeline
+        if timeline is not None:
+            timeline.span(lane(requests), "reduce", self._round_started, time.perf_counter(),
+                          {"tensors": len(requests), "bytes": total,
+                           "transport": "shared memory, with the negotiation round"})
 
 
 class RingAllreduce(AllreduceOp):

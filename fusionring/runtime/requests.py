@@ -54,6 +54,9 @@ class Stats:
     # Bytes copied into the threshold-fusion buffer (and back out): gradients laid out back
     # to back in their batch's order are reduced where they lie and add nothing here.
     packed_bytes: int = 0
+    # Batches the negotiation round reduced itself (the window's band_then_allreduce): also
+    # counted in allreduce_batches.
+    batches_in_round: int = 0
     batch_bytes: List[int] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
