@@ -302,9 +302,13 @@ class Negotiator:
             ids.append((entry.cache_id, i))
         return [i for _, i in sorted(ids)]
 
+    def _id_words(self) -> int:
+        """Words of one bit vector over the cached names."""
+        return (len(self._names_by_id) + 63) // 64
+
     def round_words(self) -> int:
         """How many words the next round's AND carries."""
-        return _HEADER_WORDS + self._rank_words + 2 * ((len(self._names_by_id) + 63) // 64)
+        return _HEADER_WORDS + self._rank_words + 2 * self._id_words()
 
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
               shutdown: bool, stall_check: bool, joined: bool = False,
@@ -337,7 +341,7 @@ class Negotiator:
             reduce = None
         flags = ((FLAG_UNCACHED if uncached else 0) | (FLAG_SHUTDOWN if shutdown else 0)
                  | (FLAG_STALL_CHECK if stall_check else 0))
-        n_ids = (len(self._names_by_id) + 63) // 64
+        n_ids = self._id_words()
         base = _HEADER_WORDS + self._rank_words
         all_ones = (1 << (64 * n_ids)) - 1
         # Joined ranks and the OR of pending bits travel inverted through the AND.

@@ -291,6 +291,19 @@ class FusionScheduler:
             self.stats.record_batch(batch.nbytes, len(batch), batch.kind)
         return batches
 
+    def one_batch(self, nbytes: int, n_entries: int) -> bool:
+        """Whether ``n_entries`` unheld tensors of one fusion key, ``nbytes`` in all, make a
+        single threshold (or single-tensor) batch."""
+        return n_entries == 1 or 0 < nbytes <= self.threshold_bytes
+
+    def count_batch(self, nbytes: int, n_entries: int) -> None:
+        """Count a batch reduced without :meth:`schedule` (its negotiation round carried it)
+        as schedule() would have: one cycle, its tensors held none, one batch."""
+        self._cycle += 1
+        self.stats.cycles += 1
+        self.stats.held_cycles[0] += n_entries
+        self.stats.record_batch(nbytes, n_entries, THRESHOLD if n_entries > 1 else SINGLE)
+
     def _stale(self, members: Sequence[str], cycle: int) -> bool:
         if self.max_hold_cycles is None:
             return False

@@ -4,6 +4,11 @@ import pytest
 
 from conftest import run_ranks
 
+
+def _no_failures(results):
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+
 WINDOW_AND = r'''
 import numpy as np, torch
 from mpi4py import MPI
@@ -46,9 +51,7 @@ report(failures)
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_and_through_the_window_matches_numpy(np_, tmp_path):
-    results = run_ranks(np_, WINDOW_AND, tmp_path, timeout=120)
-    for rank, failures in enumerate(results):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures(run_ranks(np_, WINDOW_AND, tmp_path, timeout=120))
 
 
 ONE_ROUND_PER_STEP = r'''
@@ -232,9 +235,7 @@ report(failures)
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_round_with_data_reduces_only_when_every_rank_offers_the_same(np_, tmp_path):
-    results = run_ranks(np_, WINDOW_ROUND, tmp_path, timeout=120)
-    for rank, failures in enumerate(results):
-        assert failures == [], f"rank {rank}: {failures}"
+    _no_failures(run_ranks(np_, WINDOW_ROUND, tmp_path, timeout=120))
 
 
 IN_ROUND_TRAINING = r'''

@@ -283,3 +283,16 @@ def test_no_plan_means_threshold_fusion_only():
     s = FusionScheduler.from_plan(None, lambda n: n, threshold_bytes=100)
     assert s.groups == ()
     assert names(s.schedule(entries([("a", 60), ("b", 40), ("c", 1)]))) == [["a", "b"], ["c"]]
+
+
+@pytest.mark.parametrize("threshold", [0, 100, 1000])
+@pytest.mark.parametrize("sizes", [[40], [40, 50], [40, 70], [400, 300, 200], [2000]])
+def test_one_batch_agrees_with_schedule_and_count_batch_records_it_alike(threshold, sizes):
+    entries = [Entry(f"t{i}", n, "k") for i, n in enumerate(sizes)]
+    scheduled = FusionScheduler(None, threshold)
+    batches = scheduled.schedule(entries)
+    counted = FusionScheduler(None, threshold)
+    assert counted.one_batch(sum(sizes), len(sizes)) == (len(batches) == 1)
+    if len(batches) == 1:
+        counted.count_batch(sum(sizes), len(sizes))
+        assert counted.stats.as_dict() == scheduled.stats.as_dict()

@@ -20,7 +20,7 @@ from ..dtypes import real_view
 from ..exceptions import FusionRingError, StallError, TensorMismatchError
 from ..negotiation import Negotiator, Ready, TensorSpec
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
-from ..scheduler import SINGLE, THRESHOLD, Entry, FusedBatch, FusionScheduler
+from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from ..timeline import LaneView, Timeline
 from .allreduce import (AllreduceOps, CompressedAllreduce, RingAllreduce, SharedMemoryAllreduce,
                         lane)
@@ -547,9 +547,8 @@ class Runtime:
                     or r.postscale != first.postscale):
                 return None
             total += r.nbytes
-        threshold = self._scheduler.threshold_bytes
-        if len(pending) > 1 and (threshold <= 0 or total > threshold):
-            return None  # the scheduler would split it into several batches
+        if not self._scheduler.one_batch(total, len(pending)):
+            return None
         # Any size that fits the slot: small batches too, which would otherwise take an MPI
         # allreduce of their own, since the round waits on the window anyway.
         order = self._negotiator.cached_order([(r.name, r.spec) for r in pending])
@@ -563,12 +562,7 @@ class Runtime:
 
     def _reduced_in_round(self, ready: List[Request]) -> None:
         """Book a batch the round reduced itself, as _execute would have run it."""
-        # The scheduler's statistics, as its schedule() would have recorded this one batch.
-        sched = self._scheduler.stats
-        sched.cycles += 1
-        sched.held_cycles[0] += len(ready)
-        sched.record_batch(sum(r.nbytes for r in ready), len(ready),
-                           THRESHOLD if len(ready) > 1 else SINGLE)
+        self._scheduler.count_batch(sum(r.nbytes for r in ready), len(ready))
         self._shm_op.count_round(ready)
         self.stats.batches_in_round += 1
         self._complete_all(ready)
