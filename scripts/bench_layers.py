@@ -111,25 +111,27 @@ def build(model_name: str) -> nn.Module:
     return model
 
 
-def selector(kind: Optional[str], fraction: Optional[float], model: nn.Module, seed: int):
+def selector(kind: Optional[str], fraction: Optional[float], model: nn.Module, seed: int,
+             warmup_steps: int = 0):
     if kind is None:
         return None
     if kind == "hyper":
-        return hvd.LayerSelection.hyper(model, fraction=fraction)
+        return hvd.LayerSelection.hyper(model, fraction=fraction, warmup_steps=warmup_steps)
     if kind == "hyper-topk":
-        return hvd.LayerSelection.hyper(model, fraction=fraction, accumulate=False)
+        return hvd.LayerSelection.hyper(model, fraction=fraction, accumulate=False,
+                                        warmup_steps=warmup_steps)
     if kind == "random":
-        return hvd.LayerSelection.random(fraction, seed=seed)
-    return getattr(hvd.LayerSelection, kind)(fraction)
+        return hvd.LayerSelection.random(fraction, seed=seed, warmup_steps=warmup_steps)
+    return getattr(hvd.LayerSelection, kind)(fraction, warmup_steps=warmup_steps)
 
 
 def train(model_name: str, kind, fraction, seed: int, epochs: int, per_rank_batch: int,
-          lr: float) -> Dict:
+          lr: float, warmup_steps: int = 0) -> Dict:
     """One run: test accuracy, bytes per step, step time, the selector's scoring time."""
     (x_train, y_train), (x_test, y_test) = load_digits_split(1234)
     torch.manual_seed(seed)
     model = build(model_name)
-    sel = selector(kind, fraction, model, seed)
+    sel = selector(kind, fraction, model, seed, warmup_steps)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                    named_parameters=model.named_parameters(),
                                    layer_selection=sel)
@@ -291,7 +293,10 @@ def report(results: Dict, models: List[str], seeds: List[int], args, loads: Dict
                   f"({r0['steps']} steps), test split of 359 images (one image is 0.28 points); "
                   f"dense parameters {r0['dense_bytes']:,} bytes. Load average (1 min) before / "
                   f"after this model's runs: {loads[model_name][0]:.2f} / "
-                  f"{loads[model_name][1]:.2f}.", "",
+                  f"{loads[model_name][1]:.2f}."
+                  + (f" Every selector with `warmup_steps={args.warmup_steps}`: all layers travel "
+                     f"for the first {args.warmup_steps} steps, and those steps' bytes are in the "
+                     f"means." if args.warmup_steps else ""), "",
                   "| configuration | " + " | ".join(f"seed {s}" for s in seeds)
                   + " | mean | vs dense (points) | bytes / step | bytes vs dense "
                     "| step time vs dense |",
@@ -376,6 +381,8 @@ def main() -> None:
                              "'dense,hyper 0.25,norm 0.25'")
     parser.add_argument("--replay", action="store_true",
                         help="one process: how often each MLP layer travels (no report)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="every selector sends all layers for this many first steps")
     parser.add_argument("--section", default="measured",
                         help="the report section (and plot name prefix) to write")
     args = parser.parse_args()
@@ -403,7 +410,7 @@ def main() -> None:
             shift = (seed * 4) % len(CONFIGS)
             for label, kind, fraction in CONFIGS[shift:] + CONFIGS[:shift]:
                 r = train(model_name, kind, fraction, seed, args.epochs[model_name],
-                          args.batch_size, args.lr[model_name])
+                          args.batch_size, args.lr[model_name], args.warmup_steps)
                 results[model_name][label][seed] = r
                 if hvd.rank() == 0:
                     print(f"{model_name:<6} seed {seed} {label:<18} acc {r['accuracy']:6.2f}  "
@@ -423,7 +430,8 @@ def main() -> None:
         f" {flag} {value}" for flag, value, default in [
             ("--models", args.models, "mlp,resnet"), ("--seeds", args.seeds, "0,1,2"),
             ("--epochs-mlp", args.epochs_mlp, 20), ("--epochs-resnet", args.epochs_resnet, 40),
-            ("--configs", repr(args.configs), repr(None)), ("--section", args.section, "measured")]
+            ("--configs", repr(args.configs), repr(None)),
+            ("--warmup-steps", args.warmup_steps, 0), ("--section", args.section, "measured")]
         if value != default)
     head = [f"Command: `{command}` (wrote this section and "
             + ", ".join(f"[{n}]({n})" for n in names) + "). Machine: x86_64, "

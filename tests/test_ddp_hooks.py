@@ -748,13 +748,16 @@ def train(ddp, opt, steps):
 def start(kind, model, ddp):
     if kind == "hyper":
         return hooks.LayerSelectionState(selection=LayerSelection.hyper(model, k=1), model=model)
+    if kind == "hyper-warm":   # resumed inside the warm-up, literal top k: both must survive loading
+        return hooks.LayerSelectionState(
+            selection=LayerSelection.hyper(model, k=1, accumulate=False, warmup_steps=6), model=model)
     if kind == "random":
         return hooks.LayerSelectionState(selection=LayerSelection.random(k=1, seed=7),
                                          model=ddp)
     return hooks.LayerSelectionState(selection=LayerSelection.norm(k=1, max_wait=2), model=model)
 
 out = {}
-for kind in ("hyper", "random", "norm"):
+for kind in ("hyper", "hyper-warm", "random", "norm"):
     model = net()
     ddp = DDP(model, bucket_cap_mb=0.001)
     state = start(kind, model, ddp)
@@ -809,9 +812,12 @@ finish()
 '''
     results = run_ranks(2, code, tmp_path, timeout=150)
     for res in results:
-        for kind in ("hyper", "random", "norm"):
+        for kind in ("hyper", "hyper-warm", "random", "norm"):
             got = res[kind]
-            assert got["n_keys"] >= 2, kind   # residuals were saved
+            if kind == "hyper-warm":
+                assert got["n_keys"] == 0     # inside the warm-up every layer was sent
+            else:
+                assert got["n_keys"] >= 2, kind   # residuals were saved
             for how in ("pickle", "state_dict"):
                 assert got["resumed"][how] == got["straight"], (kind, how)
             assert got["fresh"] != got["straight"], kind

@@ -244,3 +244,28 @@ def test_hyper_with_no_probability_yet_takes_the_first_layers_and_earns_nothing(
     sel = LayerSelection.hyper(_deep(), k=2)
     assert sel.choose([0.0] * 8) == [0, 1]
     assert sel.credit == [0.0] * 8
+
+
+@pytest.mark.parametrize("make", [lambda m, w: LayerSelection.hyper(m, k=2, warmup_steps=w),
+                                  lambda m, w: LayerSelection.norm(k=2, model=m, warmup_steps=w),
+                                  lambda m, w: LayerSelection.round_robin(k=2, model=m, warmup_steps=w),
+                                  lambda m, w: LayerSelection.random(k=2, model=m, warmup_steps=w)])
+def test_warmup_sends_every_layer_first_then_k(make):
+    model = _deep()
+    sel = make(model, 3)
+    for step in range(6):
+        scores = [float((step * 5 + i * 3) % 7) for i in range(8)]
+        got = sel.choose(scores)
+        if step < 3:
+            assert got == list(range(8))
+        else:
+            assert len(got) == 2
+        sel.step_count += 1
+    if hasattr(sel, "credit"):
+        assert sel.credit != [0.0] * 8    # credit is earned from the first step after warm-up
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_bad_warmup_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="warmup_steps"):
+        LayerSelection.norm(0.25, warmup_steps=bad)

@@ -27,6 +27,8 @@ def data(r, step):
 def make_sel(m):
     if KIND == "hyper":
         return hvd.LayerSelection.hyper(m, fraction=0.25, hidden=8, lr=1e-2, max_wait=3)
+    if KIND == "hyper-warmup":
+        return hvd.LayerSelection.hyper(m, fraction=0.25, hidden=8, lr=1e-2, warmup_steps=2)
     if KIND == "norm":
         return hvd.LayerSelection.norm(0.25, max_wait=3)
     return hvd.LayerSelection.random(0.25, seed=5)
@@ -83,6 +85,15 @@ def test_every_rank_agrees_and_replicas_stay_identical(tmp_path, np_, kind):
     for r in res[1:]:
         assert r == res[0]
     assert any(0 in w and max(w) > 0 for w in res[0]["waited"])
+    assert res[0]["close"]
+
+
+def test_warmup_sends_every_layer_then_k_against_the_reference(tmp_path):
+    res = run_ranks(2, CODE.format(kind="hyper-warmup", comp="none"), tmp_path, timeout=150)
+    assert res[1] == res[0]
+    waited = res[0]["waited"]
+    assert waited[0] == waited[1] == [0] * 8            # the warm-up: every layer sent
+    assert [w.count(0) for w in waited[2:]] == [2, 2]   # then k = 2 of 8
     assert res[0]["close"]
 
 

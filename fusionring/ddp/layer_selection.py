@@ -39,21 +39,24 @@ def _describe(selector: LayerSelector) -> Dict[str, Any]:
     """Plain-typed constructor arguments of `selector` (its learned state is saved apart)."""
     kind = next(name for name, cls in _KINDS.items() if type(selector) is cls)
     description = {"kind": kind, "fraction": selector.fraction, "k": selector.k_arg,
-                   "max_wait": selector.max_wait}
+                   "max_wait": selector.max_wait, "warmup_steps": selector.warmup_steps}
     if isinstance(selector, HyperSelector):
         description.update(ema=selector.ema, hidden=selector.hidden, lr=selector.lr,
-                           seed=selector.seed)
+                           seed=selector.seed, accumulate=selector.accumulate)
     return description
 
 
 def _build(description: Dict[str, Any]) -> LayerSelector:
     args = dict(description)
     kind = args.pop("kind")
+    warmup_steps = int(args.pop("warmup_steps", 0))   # a description saved before it existed has none
     if kind == "hyper":
-        return HyperSelector(None, args.pop("fraction"), args.pop("k"), **args)
+        return HyperSelector(None, args.pop("fraction"), args.pop("k"), warmup_steps=warmup_steps,
+                             **args)
     if kind == "random":
-        return RandomSelector(args["fraction"], args["k"], 0, args["max_wait"])
-    return _KINDS[kind](args["fraction"], args["k"], args["max_wait"])
+        return RandomSelector(args["fraction"], args["k"], 0, args["max_wait"],
+                              warmup_steps=warmup_steps)
+    return _KINDS[kind](args["fraction"], args["k"], args["max_wait"], warmup_steps=warmup_steps)
 
 
 class LayerSelectionState(HookState):

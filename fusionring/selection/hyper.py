@@ -30,14 +30,15 @@ from .selector import LayerSelector
 class HyperSelector(LayerSelector):
     def __init__(self, model: Optional[torch.nn.Module] = None, fraction: Optional[float] = None,
                  k: Optional[int] = None, ema: float = 0.9, hidden: int = 64, lr: float = 1e-3,
-                 max_wait: Optional[int] = None, seed: int = 0, accumulate: bool = True) -> None:
+                 max_wait: Optional[int] = None, seed: int = 0, accumulate: bool = True,
+                 warmup_steps: int = 0) -> None:
         if not 0.0 <= float(ema) < 1.0:
             raise ValueError(f"layer_selection: ema={ema} must lie in [0, 1)")
         if int(hidden) < 1:
             raise ValueError(f"layer_selection: hidden={hidden} must be >= 1")
         self.ema, self.hidden, self.lr, self.seed = float(ema), int(hidden), float(lr), int(seed)
         self.accumulate = bool(accumulate)
-        super().__init__(fraction, k, max_wait, model)
+        super().__init__(fraction, k, max_wait, model, warmup_steps)
 
     def _attached(self) -> None:
         g = torch.Generator().manual_seed(self.seed)
@@ -91,14 +92,14 @@ class HyperSelector(LayerSelector):
             self.prev_alpha = now
         return self.prob.tolist()
 
-    def choose(self, total_scores: Sequence[float]) -> List[int]:
+    def pick(self, total_scores: Sequence[float]) -> List[int]:
         """The agreed layers: this step's top k, or (accumulate) the most credit since last sent.
 
         ``total_scores`` are the probabilities summed across ranks, identical everywhere, so
         the credit, and the choice, are identical on every rank too.
         """
         if not self.accumulate:
-            return super().choose(total_scores)
+            return super().pick(total_scores)
         assert self.acc is not None
         total = sum(float(s) for s in total_scores)
         if total > 0.0:

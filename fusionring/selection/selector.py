@@ -1,6 +1,8 @@
 """The selector base: knows the layers once attached, scores them, keeps what was not sent."""
 from __future__ import annotations
 
+import operator
+
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,13 +16,26 @@ class LayerSelector:
     The layers come from ``model`` when given, else from the optimizer's ``named_parameters``
     when the selection is attached to it, so both ``hyper(model, ...)`` and ``norm(fraction)``
     work.
+
+    ``warmup_steps``: for that many first steps every layer travels (the selection still scores
+    them, so a hypernetwork trains from the start). Sparse updates with error feedback are
+    most fragile at the start of training, when gradients are largest and a layer's
+    kept-back sum can move it furthest at once; a short dense warm-up is the usual remedy.
     """
 
     def __init__(self, fraction: Optional[float] = None, k: Optional[int] = None,
-                 max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None) -> None:
+                 max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None,
+                 warmup_steps: int = 0) -> None:
         if fraction is not None and not 0.0 < float(fraction) <= 1.0:
             raise ValueError(f"layer_selection: fraction={fraction} must lie in (0, 1]")
+        try:
+            steps = -1 if isinstance(warmup_steps, bool) else operator.index(warmup_steps)
+        except TypeError:
+            steps = -1
+        if steps < 0:
+            raise ValueError(f"layer_selection: warmup_steps={warmup_steps!r} must be an integer >= 0")
         self.fraction, self.k_arg, self.max_wait = fraction, k, max_wait
+        self.warmup_steps = steps
         self.layers: List[List[str]] = []
         self.params: Dict[str, torch.Tensor] = {}
         self.k = 0
@@ -66,7 +81,14 @@ class LayerSelector:
         raise NotImplementedError
 
     def choose(self, total_scores: Sequence[float]) -> List[int]:
-        """The agreed layers from the scores summed across ranks."""
+        """The agreed layers from the scores summed across ranks: all of them while warming up."""
+        assert self.acc is not None
+        if self.step_count < self.warmup_steps:
+            return list(range(len(self.layers)))
+        return self.pick(total_scores)
+
+    def pick(self, total_scores: Sequence[float]) -> List[int]:
+        """The policy's k layers from the summed scores (the k highest, ``max_wait`` ones first)."""
         assert self.acc is not None
         return top_k(total_scores, self.k, self.acc.forced())
 
