@@ -215,7 +215,17 @@ void ShmAllreduce::wait_for_all(std::uint64_t epoch, double timeout_s) {
   RankLine* lines = &header_->ranks[0];
   WakeLine& wake = header_->wake;
   lines[rank_].epoch.store(epoch, std::memory_order_seq_cst);
-  if (wake.sleepers.load(std::memory_order_seq_cst) > 0) {
+  // Only the rank that completes the wait wakes the sleepers: waking them at every arrival
+  // would have each sleeper get up, find the wait still open and sleep again, up to P - 1
+  // times per wait, each time taking a core from a rank still working. At least one of
+  // the ranks arriving last sees every epoch (their stores and loads are sequentially
+  // consistent), and a sleeper registers before it looks at the rank it sleeps on, so the
+  // rank that finds the wait complete also finds the sleeper.
+  bool complete = true;
+  for (int r = 0; r < size_ && complete; ++r) {
+    complete = lines[r].epoch.load(std::memory_order_seq_cst) >= epoch;
+  }
+  if (complete && wake.sleepers.load(std::memory_order_seq_cst) > 0) {
     wake.sequence.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&wake.sequence);
   }

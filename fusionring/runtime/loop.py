@@ -117,6 +117,8 @@ class Runtime:
         self._poked = False  # a caller started waiting while the loop was idle
         # Long enough for a small model's backward pass on a shared core (1-3 ms measured).
         self._burst_window_s = _BURST_CYCLES * self.config.cycle_time_ms / 1000.0
+        # When the loop sleeps between cycles: until when (None while it runs a cycle).
+        self._idle_until: Optional[float] = None
         # A burst that outlasts the window (a long backward pass) is not held back at all:
         # its rounds start as its tensors arrive, so reduction overlaps the backward pass.
         self._burst_started: Optional[float] = None
@@ -189,6 +191,11 @@ class Runtime:
             self._queue.append(request)
             if burst and self._burst_started is None:
                 self._burst_started = request.submitted_at
+            # The loop is woken only when what it waits for changes: a start, or a burst whose
+            # deadline comes before the loop's own next cycle. Waking it for each gradient of
+            # a held burst costs a thread switch apiece, taken from the training threads
+            # where ranks share cores.
+            was_started, was_held = self._start_now, self._burst_since is not None
             if not burst or self._long_bursts or not self._hold_bursts:
                 self._start_now = True
             elif self._burst_since is None:
@@ -196,7 +203,11 @@ class Runtime:
             self._burst_bytes += request.nbytes if burst else 0
             if self._burst_bytes >= self.config.fusion_threshold_bytes:
                 self._start_now = True
-            self._wakeup.notify()
+            if (self._start_now and not was_started) or (
+                    self._burst_since is not None and not was_held
+                    and self._idle_until is not None
+                    and self._burst_since + self._burst_window_s < self._idle_until):
+                self._wakeup.notify()
         return request.handle
 
     def end_burst(self) -> None:
@@ -520,14 +531,18 @@ class Runtime:
             cycle_s = max(cycle_s, self.config.cycle_time_ms / 1000.0 * _QUIET_BACKOFF)
         with self._lock:
             self._poked = False
-            while not (self._start_now or self._poked or self._shutdown_requested):
-                deadline = started + cycle_s
-                if self._burst_since is not None:
-                    deadline = min(deadline, self._burst_since + self._burst_window_s)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self._wakeup.wait(remaining)
+            try:
+                while not (self._start_now or self._poked or self._shutdown_requested):
+                    deadline = started + cycle_s
+                    if self._burst_since is not None:
+                        deadline = min(deadline, self._burst_since + self._burst_window_s)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._idle_until = deadline
+                    self._wakeup.wait(remaining)
+            finally:
+                self._idle_until = None
 
     # ------------------------------------------------------------------ execution
     def _in_round(self) -> Optional[Callable[[int, int], bool]]:

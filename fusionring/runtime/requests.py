@@ -1,14 +1,55 @@
 """A submitted operation (Request) and the runtime's counters (Stats)."""
 from __future__ import annotations
 
+import _thread
 import dataclasses
-import threading
 from typing import Any, Callable, List, Optional
 
 import torch
 
 from ..negotiation import Ready, TensorSpec
 from ..reduction import ReductionContext
+
+
+class Done:
+    """Whether a request has finished: set once by the background loop, waited on by callers.
+
+    ``threading.Event``'s interface on one lock, held from creation and released by set();
+    wait() takes it and hands it straight back, so every waiter passes once it is set. An
+    Event builds a Condition and its locks, and every gradient of every step makes a request
+    on the training thread.
+    """
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        # Two threads setting at once (a failure racing a completion) release it twice:
+        # the second finds it already free, which is the state both want.
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass
 
 
 @dataclasses.dataclass(eq=False)
@@ -26,7 +67,7 @@ class Request:
     handle: int = -1
     submitted_at: float = 0.0
     ready_info: Optional[Ready] = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: Done = dataclasses.field(default_factory=Done)
     error: Optional[BaseException] = None
     payload: Any = None                  # kind-specific data (e.g. fusion groups)
     # A compressor that reduces inside the runtime: called on the background thread as
