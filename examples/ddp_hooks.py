@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,20 +32,44 @@ from fusionring.ddp import hooks
 from fusionring.selection import LayerSelection
 
 
-def init_distributed(port: int) -> None:
-    """torchrun sets RANK/WORLD_SIZE/MASTER_*; under mpiexec take rank and size from MPI."""
-    if "RANK" not in os.environ:
-        for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"),
-                                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-            if rank_var in os.environ:
-                os.environ["RANK"], os.environ["WORLD_SIZE"] = (os.environ[rank_var],
-                                                                os.environ[size_var])
-                break
-        else:
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo")
+def init_distributed(port: int) -> Optional[dist.TCPStore]:
+    """torchrun sets RANK/WORLD_SIZE/MASTER_*; under mpiexec take rank and size from MPI.
+
+    Under mpiexec rank 0 hosts the rendezvous store, and it is returned so that rank 0 can
+    outlast every peer's use of it (see finish_distributed); torchrun's agent hosts its own.
+    """
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+        return None
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank_var in os.environ:
+            rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+            break
+    else:
+        rank, size = 0, 1
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          int(os.environ.get("MASTER_PORT", port)), size, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    return store
+
+
+def finish_distributed(store: Optional[dist.TCPStore]) -> None:
+    """Tear the group down; the rank hosting the store leaves last.
+
+    A rank that destroys its group (or exits, taking the store's server with it) while a peer
+    still uses them can abort that peer at exit ("terminate called without an active
+    exception"), so every rank first passes a barrier, and the store's host then waits until
+    every rank has said, through the store, that it is done with the group.
+    """
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    if store is None:
+        return
+    store.add("done", 1)
+    while rank == 0 and store.add("done", 0) < size:
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -63,7 +89,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29517, help="rendezvous port under mpiexec")
     args = parser.parse_args()
 
-    init_distributed(args.port)
+    store = init_distributed(args.port)
     rank, size = dist.get_rank(), dist.get_world_size()
     (x_train, y_train), (x_test, y_test) = load_digits_split(seed=0)
     torch.manual_seed(0)
@@ -112,10 +138,7 @@ def main() -> None:
     if rank == 0:
         print(f"checkpoint: {len(buffer.getvalue())} bytes, hook state for "
               f"{len(restored.keys())} {what} restored", flush=True)
-    # Every rank done with the group before any tears it down: a rank that destroys its
-    # group (and rank 0 its store) while a peer still uses them can abort that peer at exit.
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed(store)
 
 
 if __name__ == "__main__":
