@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import operator
-
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
