@@ -164,3 +164,34 @@ def test_cluster_contender_is_listed_when_the_build_has_it():
 
     assert (("fusionring-cluster" in bench.available_contenders())
             == hasattr(hvd.Compression, "cluster"))
+
+
+def _step_phases_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_step_phases",
+                                                  ROOT / "scripts" / "bench_step_phases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_phases_put_the_ranks_on_one_time_line():
+    """Phases come from the earliest start, the latest ready and reduced stamps and the latest
+    end across ranks; the link time from the ring's bytes at the payload share of the rate."""
+    phases = _step_phases_module()
+    ms = 1e-3
+    # two ranks, three steps; the first is left out (warm-up)
+    rank0 = [dict(start=0, big=50 * ms, reduced=90 * ms, end=95 * ms),
+             dict(start=1.0, big=1.0 + 10 * ms, reduced=1.0 + 400 * ms, end=1.0 + 410 * ms),
+             dict(start=2.0, big=2.0 + 20 * ms, reduced=2.0 + 300 * ms, end=2.0 + 306 * ms)]
+    rank1 = [dict(start=0, big=60 * ms, reduced=99 * ms, end=99 * ms),
+             dict(start=1.0 + 5 * ms, big=1.0 + 30 * ms, reduced=1.0 + 401 * ms, end=1.0 + 420 * ms),
+             dict(start=2.0 - 4 * ms, big=2.0 + 40 * ms, reduced=2.0 + 302 * ms, end=2.0 + 303 * ms)]
+    out = phases.summarize({"rows": [rank0, rank1], "ring_bytes": 119.5e6 / 8}, 1e9, warmup=1)
+    # step 1: start 1.000, ready 1.030, reduced 1.401, end 1.420
+    # step 2: start 1.996, ready 2.040, reduced 2.302, end 2.306
+    assert out["step"] == pytest.approx((420 + 310) / 2)
+    assert out["first_big_ready"] == pytest.approx((30 + 44) / 2)
+    assert out["comm_after"] == pytest.approx((371 + 262) / 2)
+    assert out["opt"] == pytest.approx((19 + 4) / 2)
+    assert out["link"] == pytest.approx(119.5e6 / (1e9 * 0.956) * 1e3)
