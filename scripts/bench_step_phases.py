@@ -14,10 +14,11 @@ which lets rank 0 put the ranks' stamps on one time line. Per step (medians over
 - ``link``: what the link needs for the ring's bytes after ``first_big_ready`` at the most TCP
   payload a shaped link carries (95.6 % of its rate).
 
-``first_big_ready + link + opt`` is a floor for any data-parallel step that reduces every
-gradient before the optimizer step; with no communication (``none``), the compute part of
-it is measured with nothing else on the cores: each step then starts at the same instant on
-every rank (a timed sleep, no collective).
+The report's floor, for any data-parallel step that reduces every gradient before the
+optimizer step: ``first_big_ready`` with no communication (``none``: the compute with nothing
+else on the cores; each step starts at the same instant on every rank, through a timed sleep,
+not a collective) + ``link`` + the fastest communicating contender's ``opt`` (its ranks all
+step at once after the reduction, sharing the cores).
 
     python scripts/bench_step_phases.py -np 4 --rate 1gbit --rounds 3 \
         --output docs/benchmarks/step-phases-1gbit.md
@@ -140,7 +141,8 @@ def summarize(result: dict, rate_bits: float, warmup: int) -> dict:
     return out
 
 
-def launch(library: str, args: argparse.Namespace, out: Path) -> dict:
+def launch(library: str, args: argparse.Namespace, out: Path) -> None:
+    """One run of `library` in the lab; rank 0 writes its stamps to `out`."""
     command = [sys.executable, "-m", "fusionring.launcher", "-np", str(args.np),
                "--cluster", str(args.np), "--rate", args.rate,
                sys.executable, str(Path(__file__).resolve()), "--worker", library,
@@ -152,7 +154,6 @@ def launch(library: str, args: argparse.Namespace, out: Path) -> dict:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"{library} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
 
 
 def rate_bits_per_s(rate: str) -> float:
