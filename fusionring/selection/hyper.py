@@ -57,10 +57,13 @@ class HyperSelector(LayerSelector):
         self.credit = [0.0] * n
 
     def logits(self) -> torch.Tensor:
+        """The hypernetwork's output, one per layer (with its graph: scores() trains through it)."""
         return self.fc2(torch.relu(self.fc1(self.embedding)))
 
     def alpha(self) -> torch.Tensor:
-        return torch.sigmoid(self.logits())
+        """Each layer's current weight, sigmoid(logits), as plain values without a graph."""
+        with torch.no_grad():
+            return torch.sigmoid(self.logits())
 
     def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:
         """Train the hypernetwork one step on this step's gradients, then score by smoothed change."""
