@@ -44,7 +44,7 @@ LIBRARIES = ("fusionring", "ddp", "none")
 PAYLOAD_SHARE = 0.956  # TCP payload per Ethernet frame (1448 of 1514 bytes), see docs/cluster.md
 
 
-def worker(library: str, steps: int, hidden: int, depth: int, out: str) -> None:
+def worker(library: str, steps: int, hidden: int, depth: int, bias: bool, out: str) -> None:
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI
@@ -56,7 +56,7 @@ def worker(library: str, steps: int, hidden: int, depth: int, out: str) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.manual_seed(0)
-    net = build_model(hidden, depth)
+    net = build_model(hidden, depth, bias=bias)
     hvd = None
     if library == "fusionring":
         import fusionring.torch as hvd
@@ -147,7 +147,7 @@ def launch(library: str, args: argparse.Namespace, out: Path) -> None:
                "--cluster", str(args.np), "--rate", args.rate,
                sys.executable, str(Path(__file__).resolve()), "--worker", library,
                "--steps", str(args.steps), "--hidden", str(args.hidden),
-               "--depth", str(args.depth), "--out", str(out)]
+               "--depth", str(args.depth), "--out", str(out)] + (["--no-bias"] if args.no_bias else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no hostnames
@@ -171,15 +171,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--no-bias", action="store_true",
+                        help="Linear layers without biases (no small gradients beside the large ones)")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--output", default=None, help="write a markdown report here")
     parser.add_argument("--rerender", action="store_true",
-                        help="render the report again from the last run's files in build/step-phases")
+                        help="render the report again from the last run's files in build/step-phases*")
     parser.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.hidden, args.depth, args.out)
+        worker(args.worker, args.steps, args.hidden, args.depth, not args.no_bias, args.out)
         return
     libraries = [name for name in args.libraries.split(",") if name]
     unknown = [name for name in libraries if name not in LIBRARIES]
@@ -187,7 +189,7 @@ def main() -> None:
         parser.error(f"--libraries: unknown {', '.join(unknown)} (choose from {', '.join(LIBRARIES)})")
     rate = rate_bits_per_s(args.rate)
     results: dict = {name: [] for name in libraries}
-    scratch = ROOT / "build" / "step-phases"
+    scratch = ROOT / "build" / ("step-phases-no-bias" if args.no_bias else "step-phases")
     scratch.mkdir(parents=True, exist_ok=True)
     for round_ in range(args.rounds):
         for name in libraries:
@@ -274,7 +276,8 @@ def render(results: dict, args: argparse.Namespace, plot: Optional[Path]) -> str
             f"Made with (as root, from the repository root):\n\n```\n{command}\n```\n\n"
             f"Medians over rounds of each launch's median step ({args.steps} steps, the first "
             f"{args.warmup} left out); {args.rounds} rounds, contenders alternated. Model: MLP "
-            f"64 -> {args.hidden} x {args.depth} -> 10, batch 32 per rank. The columns are "
+            f"64 -> {args.hidden} x {args.depth} -> 10{' without biases' if args.no_bias else ''}, "
+            f"batch 32 per rank. The columns are "
             f"explained in the script's docstring.\n\n{text}\n\n{runs}\n"
             + (f"\n![phases]({plot.name})\n" if plot is not None else ""))
 

@@ -10,8 +10,9 @@ from .util import ring_bytes
 
 # ================================================================================ model and data
 
-def build_model(hidden: int, depth: int):
-    """The communication-heavy MLP on digits: 64 -> hidden x depth -> 10, ReLU.
+def build_model(hidden: int, depth: int, bias: bool = True):
+    """The communication-heavy MLP on digits: 64 -> hidden x depth -> 10, ReLU (``bias=False``:
+    its Linear layers without biases).
 
     Wide layers give tens of MB of gradients for little compute, so the link decides the step time.
     No normalisation layers: at these widths LayerNorm with SGD+momentum failed to train at all.
@@ -20,9 +21,9 @@ def build_model(hidden: int, depth: int):
 
     layers, width = [], 64
     for _ in range(depth):
-        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        layers += [nn.Linear(width, hidden, bias=bias), nn.ReLU()]
         width = hidden
-    layers.append(nn.Linear(width, 10))
+    layers.append(nn.Linear(width, 10, bias=bias))
     return nn.Sequential(*layers)
 
 
