@@ -68,7 +68,9 @@ def finish_distributed(store: Optional[dist.TCPStore]) -> None:
     if store is None:
         return
     store.add("done", 1)
-    while rank == 0 and store.add("done", 0) < size:
+    # Bounded: a peer that died after the barrier must not keep rank 0 here for ever.
+    deadline = time.monotonic() + 60.0
+    while rank == 0 and store.add("done", 0) < size and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
