@@ -79,6 +79,8 @@ setup(
     install_requires=["torch>=2.1", "numpy", "mpi4py>=3.1", "cloudpickle", "pyyaml", "psutil"] + _mpi_requirement(),
     extras_require={
         "examples": ["scikit-learn", "tqdm"],
+        # CUDA tensors reduced on the GPU over NCCL (NCCL itself from NVIDIA's wheel).
+        "gpu": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
         "test": ["pytest", "pytest-timeout", "scikit-learn", "tqdm", "matplotlib", "import-linter"],
     },

@@ -110,6 +110,11 @@ class Settings:
     # MPI is not told to avoid shared memory); "on": require it; "off": MPI transport only.
     shared_memory: str = "auto"
     shm_slot_bytes: int = 1 << 20
+    # How CUDA tensors are allreduced: "auto" on the GPU where they lie, through NCCL, when
+    # CuPy's NCCL binding loads (``pip install "fusionring[gpu]"``), else staged through host
+    # memory over MPI; "on": require NCCL (an allreduce of a CUDA tensor fails without it);
+    # "off": always stage through host memory.
+    nccl: str = "auto"
     # Whether the loop gathers a backward pass's gradients (a burst) into one round: "auto"
     # when this host's ranks outnumber its cores (each round's CPU is taken from a peer
     # still computing); "on": always; "off": every submission starts a round at once.
@@ -167,6 +172,7 @@ def _from_environment() -> Settings:
         rank_records_dir=_read("RANK_RECORDS", d.rank_records_dir, str),
         shared_memory=_read("SHARED_MEMORY", _shared_memory_default(d.shared_memory), _mode),
         bursts=_read("BURSTS", d.bursts, _mode),
+        nccl=_read("NCCL", d.nccl, _mode),
         shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
         mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),

@@ -86,7 +86,7 @@ NO_EFFECT: Dict[str, Tuple[int, str]] = {
     "--autotune-steps-per-sample": (1, _AUTOTUNE),
     "--autotune-bayes-opt-max-samples": (1, _AUTOTUNE),
     "--autotune-gaussian-process-noise": (1, _AUTOTUNE),
-    "--num-nccl-streams": (1, "fusionring has no NCCL transport"),
+    "--num-nccl-streams": (1, "fusionring's NCCL transport runs one CUDA stream per process set"),
     "--thread-affinity": (1, "fusionring does not pin its background thread to a core"),
     "--gloo-timeout-seconds": (1, "fusionring does not run over Gloo"),
     "--mpi-threads-disable": (0, "fusionring's background thread calls MPI while the training "
@@ -342,6 +342,9 @@ def check_build() -> str:
     except ImportError:
         core = cuda = False
 
+    # CUDA tensors are reduced over NCCL where CuPy's binding loads (pip install "fusionring[gpu]").
+    nccl = importlib.util.find_spec("cupy") is not None and _nccl_loads()
+
     def box(flag: bool) -> str:
         return "[X]" if flag else "[ ]"
 
@@ -350,9 +353,17 @@ def check_build() -> str:
              "Available Frameworks:",
              f"    {box(False)} TensorFlow", f"    {box(torch_found)} PyTorch", f"    {box(False)} MXNet",
              "", "Available Controllers:", f"    {box(core)} MPI", f"    {box(False)} Gloo",
-             "", "Available Tensor Operations:", f"    {box(False)} NCCL", f"    {box(False)} DDL",
+             "", "Available Tensor Operations:", f"    {box(nccl)} NCCL", f"    {box(False)} DDL",
              f"    {box(False)} CCL", f"    {box(core)} MPI", f"    {box(False)} Gloo",
              f"    {box(cuda)} CUDA kernels (N:M)"]
     if not core:
         lines += ["", "fusionring._C is not built: reinstall with `pip install .`"]
     return "\n".join(lines)
+
+
+def _nccl_loads() -> bool:
+    try:
+        from .runtime.nccl import nccl_version
+    except ImportError:  # the core is not built
+        return False
+    return nccl_version() > 0

@@ -56,6 +56,7 @@ class TensorSpec:
     postscale: float = 1.0
     compression: str = ""     # a compressor that runs inside the runtime
     detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
+    device: str = ""          # "cuda": an allreduce reduced on the GPU over NCCL; "": host
 
     def comparable(self) -> tuple:
         """The fields that must be equal across ranks (allgather and alltoall may differ
@@ -64,7 +65,7 @@ class TensorSpec:
                  else self.shape)
         ndim = len(self.shape)
         return (self.kind, self.dtype, ndim, shape, self.op, self.root, self.prescale,
-                self.postscale, self.compression, self.detail)
+                self.postscale, self.compression, self.detail, self.device)
 
 
 @dataclasses.dataclass
@@ -116,7 +117,8 @@ def _field_values(spec: TensorSpec) -> List[Tuple[str, object]]:
     return [("operation", spec.kind), ("dtype", spec.dtype), ("rank of the tensor", len(shape)),
             shape_field, ("op", spec.op), ("root rank", spec.root),
             ("prescale factor", spec.prescale), ("postscale factor", spec.postscale),
-            ("compression", spec.compression or "none"), ("configuration", spec.detail)]
+            ("compression", spec.compression or "none"), ("configuration", spec.detail),
+            ("reduced on", "GPU (NCCL)" if spec.device else "host memory")]
 
 
 def mismatch_message(name: str, specs: Sequence[TensorSpec],

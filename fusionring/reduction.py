@@ -7,9 +7,40 @@ ring settings from here, never from the runtime's configuration or negotiation.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
+
+
+class Codec(Protocol):
+    """What the compressed ring on tensors (fusionring/runtime/compressed_ring.py) needs from
+    a compression method; the twin of csrc/codec.h, for buffers on a GPU.
+
+    Payloads are uint8 tensors on the buffer's device, laid out by the codec; their size is
+    a function of the element count alone, so sender and receiver agree without asking.
+    """
+
+    granule: int  # chunks begin at multiples of this many elements (an N:M group, say)
+
+    def payload_bytes(self, count: int) -> int:
+        """Bytes of the payload of `count` elements, a multiple of 8."""
+
+    def encode(self, x: torch.Tensor, at: int, payload: torch.Tensor,
+               residual: Optional[torch.Tensor]) -> None:
+        """Encode float32 `x` (which begins at element `at` of the buffer) into `payload`;
+        `residual`, when given, receives x - decode(payload)."""
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """out = the decoded values."""
+
+    def decode_add(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the decoded values."""
+
+
+# ring(buffer, codec, residual, prescale, postscale) -> {"bytes_sent", "bytes_received"}:
+# the in-place compressed sum of a float32 buffer over the ranks (error feedback in
+# `residual` when given), on the device where the buffer lies.
+DeviceRing = Callable[[torch.Tensor, Codec, Optional[torch.Tensor], float, float], Dict[str, int]]
 
 
 @dataclasses.dataclass
@@ -27,3 +58,6 @@ class ReductionContext:
     ring_segment_bytes: int
     small_message_bytes: int
     size: int                         # ranks taking part
+    # For a batch of CUDA tensors: the compressed ring on their GPU (NCCL between hops),
+    # which a compressor runs with its codec instead of the core's ring (None on the host).
+    device_ring: Optional[DeviceRing] = None

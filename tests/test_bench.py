@@ -195,3 +195,26 @@ def test_step_phases_put_the_ranks_on_one_time_line():
     assert out["comm_after"] == pytest.approx((371 + 262) / 2)
     assert out["opt"] == pytest.approx((19 + 4) / 2)
     assert out["link"] == pytest.approx(119.5e6 / (1e9 * 0.956) * 1e3)
+
+
+def test_gpu_report_states_each_kernel_against_the_copy_and_its_target():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    mib = 1 << 20
+    results = {"device": "a GPU", "torch": "2.x", "nccl": 22703, "mib": 64, "repeats": 20,
+               "date": "2026-01-01",
+               "kernels": [{"kernel": "device copy", "bytes": 64 * mib, "ms": 0.05, "copy_ms": 0.05},
+                           {"kernel": "nm 2:4 encode", "bytes": 64 * mib, "ms": 0.08,
+                            "copy_ms": 0.05},
+                           {"kernel": "pack", "bytes": 64 * mib, "ms": 0.1, "copy_ms": 0.05,
+                            "tensors": 9}],
+               "allreduce": {"mib": 64, "ms": 0.4, "staged_ms": 30.0},
+               "training": [{"compressor": "none", "htod": 0, "dtoh": 0.0, "trace": "t.json"}]}
+    text = bench_gpu.render(results, "python scripts/bench_gpu.py", None)
+    # 0.05 / 0.08 = 0.625x against a 0.5x target; 0.05 / 0.1 = 0.5x against 0.8x.
+    assert "| nm 2:4 encode | 0.080 | 839 | 0.62 | >= 0.5x: met |" in text, text
+    assert "| pack (9 tensors) | 0.100 | 671 | 0.50 | >= 0.8x: missed |" in text, text
+    assert "0.400 ms on the GPU path, 30.000 ms staged through host memory" in text
+    assert "| none | 0 | 0 | t.json |" in text

@@ -432,7 +432,7 @@ def test_the_ssh_wrapper_hands_port_and_identity_to_ssh(tmp_path, monkeypatch):
     (["--hierarchical-allreduce"], "no hierarchical mode"),
     (["--start-timeout", "30"], "no checks of its own"),
     (["--log-level", "DEBUG"], "no log levels"),
-    (["--num-nccl-streams", "2"], "no NCCL transport"),
+    (["--num-nccl-streams", "2"], "one CUDA stream per process set"),
     (["--mpi", "--log-without-timestamp", "--stall-check"], None),
 ])
 def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpiexec, option, note):

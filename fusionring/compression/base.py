@@ -76,6 +76,12 @@ class Compressor:
         """Reduce the batch's outputs in place; return the bytes this rank sent (or None)."""
         raise NotImplementedError
 
+    def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
+        """Whether communicate() reduces this CUDA tensor on its GPU (with
+        ``context.device_ring``); otherwise it is staged through host memory. The answer must
+        depend on the configuration, dtype and shape only, so every rank gives the same."""
+        return False
+
     # Only for `stateful`:
     def state_dict(self) -> dict:
         raise NotImplementedError

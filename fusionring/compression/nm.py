@@ -43,6 +43,7 @@ from .base import Compressor, Memory, register_compressor
 from .nm_kernels import (MAX_M, _squares, bits_per_element, check_nm, check_values,
                          compress_values, cuda_kernels, gather, mask_to_bool, scatter,
                          select_mask)
+from .nm_codec import NmCodec
 from .nm_schedules import ADAPTIVE_THRESHOLDS, AdaptiveSchedule, StepSchedule
 from .pipeline import run_pipeline, split_chunks
 
@@ -150,6 +151,17 @@ class NMCompressor(Compressor):
         """The (n, m) the next reduction of tensor `name` will use."""
         with self._lock:
             return self._level(self._tensors.get(name) or _TensorState())
+
+    def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
+        """Per-rank masks at fixed levels reduce on the GPU (the compressed ring with the CUDA
+        kernels between NCCL hops). A shared mask, the adaptive schedule and dense stages
+        keep their bookkeeping on the host, so those batches are staged through it."""
+        if (self.shared_mask or isinstance(self.schedule, AdaptiveSchedule)
+                or not getattr(_C, "nm_cuda_built", False)):
+            return False
+        levels = ([(self.n, self.m)] if self.schedule is None
+                  else [self.schedule.initial] + [nm for _, nm in self.schedule.stages])
+        return all(n < m and 32 % m == 0 for n, m in levels)
 
     def _level(self, state: _TensorState) -> Tuple[int, int]:
         if self.schedule is None:
@@ -416,7 +428,7 @@ class NMCompressor(Compressor):
         residual = None
         adaptive = isinstance(self.schedule, AdaptiveSchedule)
         if self.error_feedback:
-            residual = torch.empty(sub.numel())
+            residual = torch.empty(sub.numel(), device=sub.device)
             for key, offset, numel in zip(keys, offsets, sizes):
                 stored = self.memory.residuals.get(key) if key is not None else None
                 part = residual[offset:offset + numel]
@@ -426,9 +438,14 @@ class NMCompressor(Compressor):
                     part.zero_()
         if adaptive:  # the compensated input, before the core overwrites the residual
             compensated = sub * job.prescale + (residual if residual is not None else 0.0)
-        out = job.core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m, VALUE_CODES[self.values],
-                                    residual.data_ptr() if residual is not None else 0,
-                                    job.prescale, job.postscale, job.ring_segment_bytes)
+        if sub.is_cuda:  # the same ring and bits on the GPU, NCCL between hops
+            out = job.device_ring(sub, NmCodec(n, m, self.values), residual, job.prescale,
+                                  job.postscale)
+        else:
+            out = job.core.nm_allreduce(sub.data_ptr(), sub.numel(), n, m,
+                                        VALUE_CODES[self.values],
+                                        residual.data_ptr() if residual is not None else 0,
+                                        job.prescale, job.postscale, job.ring_segment_bytes)
         if sub.data_ptr() != views[0].data_ptr():  # reduced in a copy
             for x, offset, numel in zip(views, offsets, sizes):
                 x.copy_(sub[offset:offset + numel])
@@ -438,7 +455,8 @@ class NMCompressor(Compressor):
             part = slice(offset, offset + numel)
             if residual is not None:
                 stored = self.memory.residuals.get(key)
-                if stored is not None and stored.numel() == numel and not stored.is_cuda:
+                if (stored is not None and stored.numel() == numel
+                        and stored.device == residual.device):
                     stored.reshape(-1).copy_(residual[part])
                 else:
                     self.memory.update(key, residual[part].clone())

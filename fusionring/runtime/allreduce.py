@@ -17,6 +17,7 @@ from ..negotiation import is_cacheable
 from ..reduction import ReductionContext
 from ..scheduler import THRESHOLD
 from ..timeline import recording_phases
+from .nccl import NcclTransport
 from .requests import Request
 
 
@@ -46,6 +47,40 @@ class AllreduceOp:
         self._rt.stats.count_batch(len(requests), nbytes, sent)
 
 
+class NcclAllreduce(AllreduceOp):
+    """CUDA tensors on their GPU (runtime/nccl.py): a batch is packed, reduced and unpacked
+    on the transport's stream, or reduced where it lies when it is one tensor or lies back
+    to back. The runtime's transport is created by its first such batch."""
+
+    def enabled(self, requests: List[Request], kind: str) -> bool:
+        # Only a request for the GPU path holds a CUDA tensor: others were staged to host.
+        # A compressor that reduces inside the runtime runs its own ring (CompressedAllreduce).
+        return requests[0].tensor.is_cuda and requests[0].communicator is None
+
+    def execute(self, requests: List[Request], kind: str) -> None:
+        rt = self._rt
+        first = requests[0]
+        if rt._nccl is None:
+            rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size, rt.config.stall_shutdown_s)
+        t0 = time.perf_counter()
+        total = sum(r.nbytes for r in requests)
+        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
+        device_time = rt._nccl.allreduce(
+            [r.output for r in requests], [r.ready_event for r in requests], first.core_op,
+            first.prescale, first.postscale, contiguous,
+            describe=lambda: repr(lane(requests)))
+        for request in requests:
+            request.ready_event = None  # the tensor may be freed on its own stream now
+        if len(requests) > 1 and contiguous is None:
+            rt.stats.packed_bytes += total
+        self._count(requests, total, None)
+        timeline = rt._timeline
+        if timeline is not None:
+            timeline.span(lane(requests), "reduce", t0, time.perf_counter(),
+                          {"tensors": len(requests), "bytes": total, "transport": "nccl",
+                           **device_time})
+
+
 class CompressedAllreduce(AllreduceOp):
     """A compressor that reduces inside the runtime (`Request.communicator`): it reads and
     writes each output where it lies, so there is no pack or unpack."""
@@ -65,7 +100,15 @@ class CompressedAllreduce(AllreduceOp):
         # Its encode and decode overlap the ring, so they get a lane of their own.
         with recording_phases(rt._timeline, f"{name} (compression)",
                               {"tensors": len(requests), "bytes": total}):
-            sent = first.communicator(context)
+            if first.tensor.is_cuda:  # on the NCCL stream, after the tensors' producers
+                sent = rt._nccl.on_stream(first.output.device,
+                                          [r.ready_event for r in requests],
+                                          lambda: first.communicator(context),
+                                          describe=lambda: repr(name))
+                for request in requests:
+                    request.ready_event = None
+            else:
+                sent = first.communicator(context)
         t2 = time.perf_counter()
         self._count(requests, total, sent)
         timeline = rt._timeline
@@ -82,12 +125,19 @@ class CompressedAllreduce(AllreduceOp):
         else:
             outputs = list(torch.split(buffer.reshape(-1), [r.output.numel() for r in requests]))
         names = [r.name for r in requests]
+        device_ring = None
+        if first.tensor.is_cuda:
+            if rt._nccl is None:
+                rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size,
+                                         rt.config.stall_shutdown_s)
+            device_ring = rt._nccl.ring
         return ReductionContext(
             core=rt._core, outputs=outputs, names=names,
             keys=[n if is_cacheable(n) else None for n in names], buffer=buffer,
             core_op=first.core_op, prescale=first.prescale, postscale=first.postscale,
             ring_segment_bytes=rt.config.ring_segment_bytes,
-            small_message_bytes=rt.config.small_message_bytes, size=rt.size)
+            small_message_bytes=rt.config.small_message_bytes, size=rt.size,
+            device_ring=device_ring)
 
 
 class SharedMemoryAllreduce(AllreduceOp):
@@ -98,7 +148,7 @@ class SharedMemoryAllreduce(AllreduceOp):
 
     def enabled(self, requests: List[Request], kind: str) -> bool:
         rt = self._rt
-        if (rt._shm is None or requests[0].communicator is not None
+        if (rt._shm is None or requests[0].communicator is not None or requests[0].tensor.is_cuda
                 or sum(r.nbytes for r in requests) <= rt.config.small_message_bytes):
             return False
         # With two ranks the ring moves fewer bytes than the window's copy in and out
@@ -208,8 +258,9 @@ class RingAllreduce(AllreduceOp):
 
 
 class AllreduceOps:
-    """The ops in the order they are asked (as Horovod's OperationManager): a compressor
-    that reduces itself, then the shared-memory window, then the ring, which takes any batch."""
+    """The ops in the order they are asked (as Horovod's OperationManager): NCCL for CUDA
+    tensors, a compressor that reduces itself, then the shared-memory window, then the ring,
+    which takes any batch of host tensors."""
 
     def __init__(self, ops: Sequence[AllreduceOp]) -> None:
         self.ops = list(ops)

@@ -22,9 +22,10 @@ from ..negotiation import Negotiator, Ready, TensorSpec
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
 from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from ..timeline import LaneView, Timeline
-from .allreduce import (AllreduceOps, CompressedAllreduce, RingAllreduce, SharedMemoryAllreduce,
-                        lane)
+from .allreduce import (AllreduceOps, CompressedAllreduce, NcclAllreduce, RingAllreduce,
+                        SharedMemoryAllreduce, lane)
 from .collectives import MpiCollectives
+from .nccl import NcclTransport
 from .requests import Request, Stats
 from .topology import (HostLayout, wait_mode, wait_policy, wants_shared_memory,
                        warn_unless_thread_multiple)
@@ -141,8 +142,9 @@ class Runtime:
         self._join_request: Optional[Request] = None  # set while this rank is inside join()
         # A fused allreduce batch goes to the first of these ops that takes it.
         self._shm_op = SharedMemoryAllreduce(self)
-        self._allreduce_ops = AllreduceOps([CompressedAllreduce(self), self._shm_op,
-                                            RingAllreduce(self)])
+        self._allreduce_ops = AllreduceOps([NcclAllreduce(self), CompressedAllreduce(self),
+                                            self._shm_op, RingAllreduce(self)])
+        self._nccl: Optional[NcclTransport] = None  # made by the first batch of CUDA tensors
         # Collectives other than allreduce, one request at a time, in response order.
         self._mpi = MpiCollectives(self)
         self._collectives: Dict[str, Callable[[List[Request]], None]] = self._mpi.by_kind()
@@ -293,6 +295,9 @@ class Runtime:
         self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
         if self._timeline_owner is None:
             self.stop_timeline()
+        nccl, self._nccl = self._nccl, None
+        if nccl is not None and not self._thread.is_alive():
+            nccl.close()
         shm, self._shm = self._shm, None
         if shm is not None and not self._thread.is_alive():
             # Freeing is collective, and this rank may shut down long before the others:
@@ -496,7 +501,11 @@ class Runtime:
             raise FusionRingError(f"'{item.name}' was agreed ready but this rank never "
                                   f"submitted it")
         dtype = getattr(torch, spec.dtype, torch.uint8)
-        tensor = torch.zeros(spec.shape, dtype=dtype)
+        # Zeros where the peers' tensors lie: a GPU batch goes over NCCL, which this rank
+        # joins from the GPU it reduces on (torch's current device before its first batch).
+        device = ((self._nccl.device if self._nccl is not None and self._nccl.device else "cuda")
+                  if spec.device else "cpu")
+        tensor = torch.zeros(spec.shape, dtype=dtype, device=device)
         if spec.kind == "allreduce":
             tensor = real_view(tensor)
         request = Request(item.name, spec, tensor, tensor, root=spec.root,
@@ -557,6 +566,7 @@ class Runtime:
         total = 0
         for r in pending:
             if (r.spec.kind != "allreduce" or r.communicator is not None or r.spec.compression
+                    or r.tensor.is_cuda
                     or r.core_op == ADASUM_CODE or r.core_op != first.core_op
                     or r.spec.dtype != first.spec.dtype or r.prescale != first.prescale
                     or r.postscale != first.postscale):
@@ -588,7 +598,7 @@ class Runtime:
                 self._guarded([request], self._install_groups)
         reductions = [Entry(name=r.name, nbytes=r.nbytes,
                             fusion_key=(r.spec.dtype, r.core_op, r.prescale, r.postscale,
-                                        r.spec.compression),
+                                        r.spec.compression, r.spec.device),
                             payload=r)
                       for r in ready if r.spec.kind == "allreduce" and r.core_op != ADASUM_CODE]
         if reductions or flush:
@@ -616,6 +626,7 @@ class Runtime:
         requests = [e.payload for e in batch.entries]
         limit = self.config.pack_limit_bytes
         if (batch.kind != THRESHOLD or limit <= 0 or requests[0].communicator is not None
+                or requests[0].tensor.is_cuda  # a GPU packs at memory speed: one collective
                 or self._through_shared_memory(requests, batch.kind)):
             return [requests]
         small = [r for r in requests if r.nbytes < limit]

@@ -58,8 +58,8 @@ class Request:
 
     name: str
     spec: TensorSpec
-    tensor: torch.Tensor                 # contiguous CPU input
-    output: Optional[torch.Tensor]       # contiguous CPU result buffer (may be `tensor`)
+    tensor: torch.Tensor                 # contiguous input (CPU, or CUDA for spec.device)
+    output: Optional[torch.Tensor]       # contiguous result buffer (may be `tensor`)
     core_op: int = 0
     prescale: float = 1.0
     postscale: float = 1.0
@@ -74,6 +74,9 @@ class Request:
     # communicator(ReductionContext) in place of the plain ring allreduce; it reads and
     # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.
     communicator: Optional[Callable[[ReductionContext], Optional[int]]] = None
+    # A CUDA tensor reduced on its GPU: the event its producer's stream recorded at
+    # submission, which the NCCL stream waits for before it reads the tensor.
+    ready_event: Any = None
 
     nbytes: int = dataclasses.field(init=False, default=0)
 

@@ -24,6 +24,7 @@ from ..dtypes import check_dtype, complex_result, dtype_name, real_view
 from ..compression import Compression, capabilities, describe
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..runtime import Request
+from ..runtime.nccl import DEVICE, nccl_version, reduces_on_device, ready_event
 from ..process_sets import ProcessSet, register_at_init, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 from .threads import fit_intra_op_threads
@@ -123,7 +124,9 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    return 0
+    """NCCL's version code (e.g. 22703) where CuPy's NCCL binding loads (``pip install
+    "fusionring[gpu]"``), so that CUDA tensors are reduced on the GPU; 0 where it does not."""
+    return nccl_version()
 
 
 def rocm_built() -> bool:
@@ -255,8 +258,10 @@ def _full_name(kind: str, name: Optional[str]) -> str:
     return f"{kind}.{name}"
 
 
-def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor:
-    """A contiguous CPU tensor holding the data (device tensors are staged through host).
+def _host(tensor: torch.Tensor, name: str, reduced: bool = True,
+          on_device: bool = False) -> torch.Tensor:
+    """A contiguous CPU tensor holding the data (device tensors are staged through host),
+    or with `on_device` a contiguous tensor on the device where `tensor` lies.
 
     `reduced`: the core combines the values, so the dtype must be one it reduces (a complex
     tensor is returned as its real view); data that is only moved (broadcast, allgather,
@@ -268,8 +273,10 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True) -> torch.Tensor
         check_dtype(tensor, name)
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is sparse; convert it with .to_dense() first")
-    if tensor.is_cpu and tensor.is_contiguous():  # every CPU gradient: skip the no-op copies
+    if (tensor.is_cpu or on_device) and tensor.is_contiguous():  # skip the no-op copies
         host = tensor.detach()
+    elif on_device:
+        host = tensor.detach().contiguous()
     else:
         host = tensor.detach().to("cpu").contiguous()
     return real_view(host) if reduced else host
@@ -283,7 +290,7 @@ def _check_complex_op(tensor: torch.Tensor, op: ReduceOp, kind: str, name: Optio
 
 
 def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and host.data_ptr() == tensor.data_ptr()
+    return host.device == tensor.device and host.data_ptr() == tensor.data_ptr()
 
 
 def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
@@ -292,29 +299,37 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     runtime = _rt.get("allreduce")
     full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
-    host = _host(tensor, name or full)
-    _check_complex_op(tensor, reduce_op, "allreduce", name or full)
-    if reduce_op == ReduceOp.Adasum:
-        _check_adasum(tensor, name or full, runtime.size, compression)
-    output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
     # buffer) travel with the request; Horovod-style ones were applied by the caller.
     caps = capabilities(compression) if compression is not None else None
     in_runtime = caps is not None and caps.in_runtime
+    # A CUDA tensor is reduced on its GPU over NCCL, unless it goes through Adasum or a
+    # compressor that keeps its work on the host: those are staged through host memory.
+    on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
+                 and reduce_op != ReduceOp.Adasum
+                 and (not in_runtime or compression.reduces_on_gpu(tensor))
+                 and reduces_on_device(tensor, pre, post, runtime.config.nccl))
+    host = _host(tensor, name or full, on_device=on_device)
+    _check_complex_op(tensor, reduce_op, "allreduce", name or full)
+    if reduce_op == ReduceOp.Adasum:
+        _check_adasum(tensor, name or full, runtime.size, compression)
+    output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     spec = _allreduce_spec(tensor.dtype, tuple(tensor.shape), reduce_op, float(prescale_factor),
-                           float(postscale_factor), caps.name if in_runtime else "")
+                           float(postscale_factor), caps.name if in_runtime else "",
+                           DEVICE if on_device else "")
     return Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
-                       communicator=compression.communicate if in_runtime else None)
+                   communicator=compression.communicate if in_runtime else None,
+                   ready_event=ready_event(host) if on_device else None)
 
 
 @functools.lru_cache(maxsize=4096)
 def _allreduce_spec(dtype: torch.dtype, shape: Tuple[int, ...], op: ReduceOp, prescale: float,
-                    postscale: float, compression: str) -> TensorSpec:
+                    postscale: float, compression: str, device: str = "") -> TensorSpec:
     # One shared object per distinct spec: a gradient's spec is the same every step, and
     # the negotiation compares specs by identity first.
     return TensorSpec("allreduce", dtype_name(dtype), shape, op=op.name, prescale=prescale,
-                      postscale=postscale, compression=compression)
+                      postscale=postscale, compression=compression, device=device)
 
 
 def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> None:

@@ -1,0 +1,228 @@
+"""The NCCL transport (fusionring/runtime/nccl.py): which allreduces go to the GPU, what
+every rank is told when ranks disagree, and, on a machine with a GPU and CuPy, the results
+against a reference computed on the host."""
+from __future__ import annotations
+
+import textwrap
+import types
+
+import pytest
+import torch
+
+import fusionring.torch as hvd
+from fusionring.negotiation import TensorSpec, mismatch_message
+from fusionring.runtime import nccl
+from conftest import run_ranks
+
+HAS_NCCL = torch.cuda.is_available() and nccl.nccl_module() is not None
+needs_gpu = pytest.mark.skipif(not HAS_NCCL, reason="needs a CUDA GPU and CuPy's NCCL binding")
+
+
+def _cuda_like(dtype: torch.dtype):
+    """What reduces_on_device reads of a CUDA tensor, for machines without a GPU."""
+    return types.SimpleNamespace(is_cuda=True, dtype=dtype,
+                                 is_floating_point=lambda: dtype.is_floating_point)
+
+
+@pytest.fixture
+def nccl_loads(monkeypatch):
+    monkeypatch.setattr(nccl, "nccl_module", lambda: types.SimpleNamespace(get_version=lambda: 22703))
+
+
+def test_host_tensors_and_off_never_use_nccl(nccl_loads):
+    assert not nccl.reduces_on_device(torch.ones(3), 1.0, 1.0, "on")
+    assert not nccl.reduces_on_device(_cuda_like(torch.float32), 1.0, 1.0, "off")
+
+
+def test_cuda_tensors_go_to_the_gpu_where_nccl_reduces_their_dtype(nccl_loads):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                  torch.int64, torch.uint8, torch.int8):
+        assert nccl.reduces_on_device(_cuda_like(dtype), 1.0, 1.0, "auto"), dtype
+    # NCCL has no 16-bit integers or booleans: those are staged through host memory.
+    assert not nccl.reduces_on_device(_cuda_like(torch.int16), 1.0, 1.0, "auto")
+    assert not nccl.reduces_on_device(_cuda_like(torch.bool), 1.0, 1.0, "auto")
+    # Scaled integers keep the host path's rounding; scaled floats are scaled on the GPU.
+    assert not nccl.reduces_on_device(_cuda_like(torch.int64), 1.0, 0.25, "auto")
+    assert nccl.reduces_on_device(_cuda_like(torch.float32), 2.0, 0.25, "auto")
+
+
+def test_without_nccl_auto_stages_through_host_and_on_refuses(monkeypatch):
+    monkeypatch.setattr(nccl, "nccl_module", lambda: None)
+    assert not nccl.reduces_on_device(_cuda_like(torch.float32), 1.0, 1.0, "auto")
+    with pytest.raises(ValueError, match=r'FUSIONRING_NCCL=on.*pip install "fusionring\[gpu\]"'):
+        nccl.reduces_on_device(_cuda_like(torch.float32), 1.0, 1.0, "on")
+
+
+def test_nccl_built_reports_the_version_that_loads(nccl_loads):
+    assert hvd.nccl_built() == 22703
+
+
+@pytest.mark.skipif(nccl.nccl_module() is not None, reason="CuPy's NCCL binding loads here")
+def test_nccl_built_is_zero_without_cupy():
+    assert hvd.nccl_built() == 0
+
+
+def test_ranks_that_disagree_on_the_gpu_path_are_told_which_rank_did_what():
+    on_gpu = TensorSpec("allreduce", "float32", (4,), op="Average", device=nccl.DEVICE)
+    on_host = TensorSpec("allreduce", "float32", (4,), op="Average")
+    message = mismatch_message("allreduce.grad", [on_gpu, on_host, on_gpu])
+    assert message is not None
+    assert "reduced on" in message and "GPU (NCCL)" in message and "host memory" in message
+    assert "rank 1" in message, message
+    assert mismatch_message("allreduce.grad", [on_gpu, on_gpu]) is None
+
+
+def test_host_tensors_still_reduce_with_nccl_required(tmp_path):
+    # FUSIONRING_NCCL=on concerns CUDA tensors only; host tensors keep the MPI ring.
+    results = run_ranks(2, """
+        import torch, fusionring.torch as hvd
+        hvd.init()
+        x = torch.arange(6, dtype=torch.float32) * (hvd.rank() + 1)
+        report(hvd.allreduce(x, op=hvd.Sum).tolist())
+        hvd.shutdown()
+    """, tmp_path, env={"FUSIONRING_NCCL": "on"})
+    expected = (torch.arange(6, dtype=torch.float32) * 3).tolist()
+    assert results == [expected, expected]
+
+
+# ---------------------------------------------------------------------- on a GPU
+_GPU_ONE_RANK = textwrap.dedent("""
+    import torch, fusionring.torch as hvd
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())
+    NM_GPU = hvd.Compression.nm(n=2, m=4, shared_mask=False)
+    NM_HOST = hvd.Compression.nm(n=2, m=4, shared_mask=False)
+    out = {}
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):
+        x = (torch.randn(1000) * 100).to(dtype)
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            if op == hvd.Average and not dtype.is_floating_point:
+                continue
+            got = hvd.allreduce(x.cuda(), op=op, name=f"{dtype}.{int(op)}", prescale_factor=1.0)
+            host = hvd.allreduce(x, op=op, name=f"host.{dtype}.{int(op)}")
+            out[f"{dtype}.{int(op)}"] = [got.is_cuda, torch.equal(got.cpu(), host)]
+    # Scale factors on the GPU, in the tensor's dtype.
+    y = torch.randn(4096)
+    got = hvd.allreduce(y.cuda(), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name="s")
+    out["scaled"] = torch.allclose(got.cpu(), y * 0.5 * 3.0, rtol=1e-6)
+    # A fused batch of tensors that do not lie back to back: packed on the GPU.
+    ts = [torch.randn(n, device="cuda") for n in (3, 1000, 17, 65536)]
+    refs = [t.cpu() for t in ts]
+    handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"g{i}") for i, t in enumerate(ts)]
+    for h in handles:
+        hvd.synchronize(h)
+    out["grouped"] = all(torch.equal(t.cpu(), r) for t, r in zip(ts, refs))
+    out["grouped_api"] = [t.is_cuda for t in hvd.grouped_allreduce(
+        [torch.ones(5, device="cuda"), torch.ones(7, device="cuda")], op=hvd.Sum)]
+    out["stats"] = hvd.communication_stats()["allreduce_tensors"] > 0
+    # N:M with per-rank masks: the compressed ring with the CUDA kernels, the host's bits.
+    from fusionring import _C
+    if getattr(_C, "nm_cuda_built", False):
+        z = torch.randn(10007)
+        for step in range(3):  # the residual carries over: the steps must agree too
+            a = hvd.allreduce(z.cuda(), op=hvd.Sum, name="nm", compression=NM_GPU)
+            b = hvd.allreduce(z, op=hvd.Sum, name="nm.host", compression=NM_HOST)
+            out[f"nm{step}"] = [a.is_cuda, torch.equal(a.cpu(), b)]
+    report(out)
+    hvd.shutdown()
+""")
+
+
+@needs_gpu
+def test_one_rank_reduces_cuda_tensors_on_the_gpu(tmp_path):
+    results = run_ranks(1, _GPU_ONE_RANK, tmp_path, timeout=180)[0]
+    for key, value in results.items():
+        if isinstance(value, list):
+            assert value == [True, True], key
+        elif isinstance(value, bool):
+            assert value, key
+    assert results["grouped_api"] == [True, True]
+
+
+_GPU_TRAINING = textwrap.dedent("""
+    import torch, fusionring.torch as hvd
+    hvd.init()
+    device = torch.device("cuda", hvd.local_rank()) if DEVICE == "cuda" else torch.device("cpu")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10)).to(device)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=COMPRESSION)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(2 + hvd.rank())
+    for step in range(3):
+        x = torch.randn(32, 64, generator=g).to(device)
+        y = torch.randint(0, 10, (32,), generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    report([p.detach().cpu().double().sum().item() for p in model.parameters()])
+    hvd.shutdown()
+""")
+
+
+@needs_gpu
+@pytest.mark.parametrize("compression", ["hvd.Compression.none", "hvd.Compression.fp16"])
+def test_a_training_step_on_the_gpu_matches_the_host(tmp_path, compression):
+    runs = {}
+    for device in ("cuda", "cpu"):
+        code = f"DEVICE = {device!r}\nimport fusionring.torch as hvd\nCOMPRESSION = {compression}\n"
+        runs[device] = run_ranks(1, code + _GPU_TRAINING, tmp_path / device, timeout=180)[0]
+    assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3, abs=1e-4)
+
+
+_TWO_GPUS = textwrap.dedent("""
+    import torch, fusionring.torch as hvd
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count() if SPREAD else 0)
+    x = torch.full((1 << 20,), float(hvd.rank() + 1), device="cuda")
+    try:
+        dense = hvd.allreduce(x, op=hvd.Sum, name="x")[:4].tolist()
+        z = torch.randn(50001, generator=torch.Generator().manual_seed(hvd.rank()))
+        nm = [hvd.allreduce(t, op=hvd.Average, name=name,
+                            compression=hvd.Compression.nm(n=2, m=4, shared_mask=False))
+              for t, name in ((z.cuda(), "nm"), (z, "nm.host"))]
+        report(["ok", dense, torch.equal(nm[0].cpu(), nm[1])])
+    except Exception as exc:
+        report(["error", str(exc)])
+    hvd.shutdown()
+""")
+
+
+@pytest.mark.skipif(not HAS_NCCL or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_on_two_gpus_sum_over_nccl(tmp_path):
+    results = run_ranks(2, "SPREAD = True\n" + _TWO_GPUS, tmp_path, timeout=180)
+    # N:M per-rank on the GPU ring (or staged through host without the CUDA kernels)
+    # gives the host ring's bits.
+    assert results == [["ok", [3.0] * 4, True]] * 2
+
+
+@needs_gpu
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(2, "SPREAD = False\n" + _TWO_GPUS, tmp_path, timeout=180)
+    for kind, text in results:
+        assert kind == "error" and "same GPU" in text and "set_device" in text, text
+
+
+def test_nm_reduces_on_the_gpu_only_where_its_bookkeeping_can(monkeypatch):
+    from fusionring import _C
+    from fusionring.compression.nm import NMCompressor
+
+    monkeypatch.setattr(_C, "nm_cuda_built", True, raising=False)
+    cuda = _cuda_like(torch.float32)
+    assert NMCompressor(2, 4, shared_mask=False).reduces_on_gpu(cuda)
+    assert NMCompressor(1, 8, shared_mask=False,
+                        schedule=[(0, (2, 8)), (10, (1, 8))]).reduces_on_gpu(cuda)
+    # A shared mask keeps its estimates on the host; so do the adaptive schedule and a
+    # dense stage; the kernels take m dividing 32.
+    assert not NMCompressor(2, 4, shared_mask=True).reduces_on_gpu(cuda)
+    assert not NMCompressor(2, 4, shared_mask=False, schedule="adaptive").reduces_on_gpu(cuda)
+    assert not NMCompressor(2, 4, shared_mask=False,
+                            schedule=[(0, (4, 4)), (5, (2, 4))]).reduces_on_gpu(cuda)
+    assert not NMCompressor(2, 6, shared_mask=False).reduces_on_gpu(cuda)
+    monkeypatch.setattr(_C, "nm_cuda_built", False, raising=False)
+    assert not NMCompressor(2, 4, shared_mask=False).reduces_on_gpu(cuda)
