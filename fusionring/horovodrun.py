@@ -338,7 +338,7 @@ def check_build() -> str:
 
     try:
         from fusionring import _C
-        core, cuda = True, bool(getattr(_C, "cuda_built", False))
+        core, cuda = True, bool(getattr(_C, "nm_cuda_built", False))
     except ImportError:
         core = cuda = False
 

@@ -61,3 +61,6 @@ class ReductionContext:
     # For a batch of CUDA tensors: the compressed ring on their GPU (NCCL between hops),
     # which a compressor runs with its codec instead of the core's ring (None on the host).
     device_ring: Optional[DeviceRing] = None
+    # For a batch of CUDA tensors: the in-place sum of a tensor on their GPU over the ranks
+    # (NCCL's allreduce), for payloads that can be summed (None on the host).
+    device_allreduce: Optional[Callable[[torch.Tensor], None]] = None

@@ -64,3 +64,64 @@ def test_ring_on_tensors_gives_the_cores_bits(tmp_path, np):
     for rank, out in enumerate(results):
         for case, checks in out.items():
             assert checks == [True, True, True, True], (rank, case, checks)
+
+
+_SHARED = """
+import torch
+import fusionring.torch as hvd
+from fusionring import state
+from fusionring.compression.nm import NMCompressor
+from fusionring.dtypes import DTYPE_CODES
+from fusionring.reduction import ReductionContext
+
+hvd.init()
+rt = state.get()
+core = rt._core
+
+
+def dense_sum(t):
+    core.allreduce(t.data_ptr(), t.numel(), DTYPE_CODES[t.dtype], 0, 1.0, 1.0, 1 << 20, 64 << 10)
+
+
+def job(outputs):
+    return ReductionContext(core=core, outputs=outputs, names=["a", "b", "c"],
+                            keys=["a", "b", None], buffer=None, core_op=0, prescale=0.5,
+                            postscale=1.0 / rt.size, ring_segment_bytes=1 << 20,
+                            small_message_bytes=64 << 10, size=rt.size)
+
+
+out = {}
+for values in (torch.float32, torch.float16):
+    one = NMCompressor(2, 4, values=values, schedule=[(0, (2, 4)), (3, (1, 8))])
+    piped = NMCompressor(2, 4, values=values, schedule=[(0, (2, 4)), (3, (1, 8))])
+    g = torch.Generator().manual_seed(11 + rt.rank)
+    for step in range(5):  # dense first, then the shared mask, then a new level
+        xs = [torch.randn(n, generator=g) for n in (70000, 4099, 33)]
+        mine, ref = [x.clone() for x in xs], [x.clone() for x in xs]
+        levels = [one._level(one._state(k)) for k in ["a", "b", None]]
+        one._shared_reduce_one_pass(job(mine), mine, ["a", "b", None], levels, dense_sum)
+        piped._shared_reduce(job(ref), ref, ["a", "b", None], levels, [])
+        for c in (one, piped):
+            for k in ("a", "b"):
+                c._tensors[k].step += 1
+        same = all(torch.equal(a, b) for a, b in zip(mine, ref))
+        residuals = all(torch.equal(one.memory.residuals[k], piped.memory.residuals[k])
+                        for k in ("a", "b"))
+        estimates = all(torch.equal(one._tensors[k].estimate, piped._tensors[k].estimate)
+                        and torch.equal(one._tensors[k].wait, piped._tensors[k].wait)
+                        for k in ("a", "b"))
+        out[f"{values}:{step}"] = [same, residuals, estimates]
+    out[f"{values}:bytes"] = one.stats["wire_bytes"] == piped.stats["wire_bytes"]
+report(out)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np", [1, 3])
+def test_shared_mask_in_one_pass_gives_the_pipelines_bits(tmp_path, np):
+    # The one-pass shared-mask reduction is what a GPU runs (NCCL sums the payload); here
+    # the core sums it, so it must match the host's pipelined path bit for bit.
+    results = run_ranks(np, _SHARED, tmp_path, timeout=240)
+    for rank, out in enumerate(results):
+        for case, checks in out.items():
+            assert checks in (True, [True, True, True]), (rank, case, checks)

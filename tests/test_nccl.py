@@ -90,8 +90,8 @@ _GPU_ONE_RANK = textwrap.dedent("""
     import torch, fusionring.torch as hvd
     hvd.init()
     torch.cuda.set_device(hvd.local_rank())
-    NM_GPU = hvd.Compression.nm(n=2, m=4, shared_mask=False)
-    NM_HOST = hvd.Compression.nm(n=2, m=4, shared_mask=False)
+    NM_GPU = {shared: hvd.Compression.nm(n=2, m=4, shared_mask=shared) for shared in (0, 1)}
+    NM_HOST = {shared: hvd.Compression.nm(n=2, m=4, shared_mask=shared) for shared in (0, 1)}
     out = {}
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64):
@@ -116,14 +116,31 @@ _GPU_ONE_RANK = textwrap.dedent("""
     out["grouped_api"] = [t.is_cuda for t in hvd.grouped_allreduce(
         [torch.ones(5, device="cuda"), torch.ones(7, device="cuda")], op=hvd.Sum)]
     out["stats"] = hvd.communication_stats()["allreduce_tensors"] > 0
-    # N:M with per-rank masks: the compressed ring with the CUDA kernels, the host's bits.
+    # The other collectives move CUDA tensors on the GPU too.
+    b = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    got = hvd.broadcast(b.cuda(), root_rank=0, name="b")
+    out["broadcast"] = [got.is_cuda, torch.equal(got.cpu(), b)]
+    got = hvd.allgather(b.cuda().bool(), name="ag")
+    out["allgather"] = [got.is_cuda, torch.equal(got.cpu(), b.bool())]
+    got, splits = hvd.alltoall(b.cuda(), splits=torch.tensor([3]), name="a2a")
+    out["alltoall"] = [got.is_cuda, torch.equal(got.cpu(), b) and splits.tolist() == [3]]
+    r = torch.randn(5, 3)
+    got = hvd.reducescatter(r.cuda(), op=hvd.Sum, name="rs")
+    out["reducescatter"] = [got.is_cuda, torch.equal(got.cpu(), hvd.reducescatter(
+        r, op=hvd.Sum, name="rs.host"))]
+    # N:M with per-rank masks (the compressed ring) and with a shared mask (one sum of the
+    # kept values), with the CUDA kernels: the host's bits, step after step (the residuals
+    # and the shared mask's estimates carry over).
     from fusionring import _C
     if getattr(_C, "nm_cuda_built", False):
-        z = torch.randn(10007)
-        for step in range(3):  # the residual carries over: the steps must agree too
-            a = hvd.allreduce(z.cuda(), op=hvd.Sum, name="nm", compression=NM_GPU)
-            b = hvd.allreduce(z, op=hvd.Sum, name="nm.host", compression=NM_HOST)
-            out[f"nm{step}"] = [a.is_cuda, torch.equal(a.cpu(), b)]
+        for shared in (0, 1):
+            for step in range(3):
+                z = torch.randn(10007)
+                a = hvd.allreduce(z.cuda(), op=hvd.Sum, name=f"nm{shared}",
+                                  compression=NM_GPU[shared])
+                b = hvd.allreduce(z, op=hvd.Sum, name=f"nm{shared}.host",
+                                  compression=NM_HOST[shared])
+                out[f"nm{shared}.{step}"] = [a.is_cuda, torch.equal(a.cpu(), b)]
     report(out)
     hvd.shutdown()
 """)
@@ -182,11 +199,35 @@ _TWO_GPUS = textwrap.dedent("""
     x = torch.full((1 << 20,), float(hvd.rank() + 1), device="cuda")
     try:
         dense = hvd.allreduce(x, op=hvd.Sum, name="x")[:4].tolist()
-        z = torch.randn(50001, generator=torch.Generator().manual_seed(hvd.rank()))
-        nm = [hvd.allreduce(t, op=hvd.Average, name=name,
-                            compression=hvd.Compression.nm(n=2, m=4, shared_mask=False))
-              for t, name in ((z.cuda(), "nm"), (z, "nm.host"))]
-        report(["ok", dense, torch.equal(nm[0].cpu(), nm[1])])
+        same = []
+        for shared in (False, True):  # two ranks: the GPU's sums are the host's, bit for bit
+            on = [hvd.Compression.nm(n=2, m=4, shared_mask=shared) for _ in range(2)]
+            g = torch.Generator().manual_seed(hvd.rank())
+            for step in range(3):
+                z = torch.randn(50001, generator=g)
+                a = hvd.allreduce(z.cuda(), op=hvd.Average, name=f"nm{shared}", compression=on[0])
+                b = hvd.allreduce(z, op=hvd.Average, name=f"nm{shared}.host", compression=on[1])
+                same.append(torch.equal(a.cpu(), b))
+        # The other collectives, with uneven parts, against the same calls on host tensors.
+        r = hvd.rank()
+        uneven = torch.arange(6 * (r + 1), dtype=torch.float64).reshape(-1, 2) + 100 * r
+        even = torch.arange(10, dtype=torch.float32).reshape(5, 2) + 100 * r
+        for kind, x, call in (
+                ("allgather", uneven, lambda t, n: hvd.allgather(t, name=n)),
+                ("alltoall", uneven,
+                 lambda t, n: hvd.alltoall(t, splits=[1, t.shape[0] - 1], name=n)[0]),
+                ("broadcast", even, lambda t, n: hvd.broadcast(t, root_rank=1, name=n)),
+                ("reducescatter", even, lambda t, n: hvd.reducescatter(t, op=hvd.Sum, name=n))):
+            a, b = call(x.cuda(), kind), call(x, kind + ".host")
+            same.append(a.is_cuda and torch.equal(a.cpu(), b))
+        # A joined rank takes part in GPU batches with zeros, as on the host.
+        if r == 1:
+            hvd.join()
+        else:
+            j = hvd.allreduce(torch.ones(8, device="cuda"), op=hvd.Sum, name="joined")
+            same.append(j.tolist() == [1.0] * 8)
+            hvd.join()
+        report(["ok", dense, all(same)])
     except Exception as exc:
         report(["error", str(exc)])
     hvd.shutdown()
@@ -196,8 +237,7 @@ _TWO_GPUS = textwrap.dedent("""
 @pytest.mark.skipif(not HAS_NCCL or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_ranks_on_two_gpus_sum_over_nccl(tmp_path):
     results = run_ranks(2, "SPREAD = True\n" + _TWO_GPUS, tmp_path, timeout=180)
-    # N:M per-rank on the GPU ring (or staged through host without the CUDA kernels)
-    # gives the host ring's bits.
+    # N:M on the GPU (or staged through host without the CUDA kernels) gives the host's bits.
     assert results == [["ok", [3.0] * 4, True]] * 2
 
 
@@ -214,15 +254,44 @@ def test_nm_reduces_on_the_gpu_only_where_its_bookkeeping_can(monkeypatch):
 
     monkeypatch.setattr(_C, "nm_cuda_built", True, raising=False)
     cuda = _cuda_like(torch.float32)
-    assert NMCompressor(2, 4, shared_mask=False).reduces_on_gpu(cuda)
-    assert NMCompressor(1, 8, shared_mask=False,
-                        schedule=[(0, (2, 8)), (10, (1, 8))]).reduces_on_gpu(cuda)
-    # A shared mask keeps its estimates on the host; so do the adaptive schedule and a
-    # dense stage; the kernels take m dividing 32.
-    assert not NMCompressor(2, 4, shared_mask=True).reduces_on_gpu(cuda)
-    assert not NMCompressor(2, 4, shared_mask=False, schedule="adaptive").reduces_on_gpu(cuda)
-    assert not NMCompressor(2, 4, shared_mask=False,
-                            schedule=[(0, (4, 4)), (5, (2, 4))]).reduces_on_gpu(cuda)
-    assert not NMCompressor(2, 6, shared_mask=False).reduces_on_gpu(cuda)
+    for shared in (False, True):
+        assert NMCompressor(2, 4, shared_mask=shared).reduces_on_gpu(cuda)
+        assert NMCompressor(1, 8, shared_mask=shared,
+                            schedule=[(0, (2, 8)), (10, (1, 8))]).reduces_on_gpu(cuda)
+        # dense stages are one sum of the values, on the GPU too
+        assert NMCompressor(2, 4, shared_mask=shared,
+                            schedule=[(0, (6, 6)), (5, (2, 4))]).reduces_on_gpu(cuda)
+        # the adaptive schedule's statistics are host reductions; the kernels take m | 32
+        assert not NMCompressor(2, 4, shared_mask=shared, schedule="adaptive").reduces_on_gpu(cuda)
+        assert not NMCompressor(2, 6, shared_mask=shared).reduces_on_gpu(cuda)
     monkeypatch.setattr(_C, "nm_cuda_built", False, raising=False)
     assert not NMCompressor(2, 4, shared_mask=False).reduces_on_gpu(cuda)
+
+
+def test_cuda_built_says_whether_the_kernels_were_compiled(monkeypatch):
+    from fusionring import _C
+
+    for built in (True, False):
+        monkeypatch.setattr(_C, "nm_cuda_built", built, raising=False)
+        assert hvd.cuda_built() is built
+
+
+_MIXED = textwrap.dedent("""
+    import torch, fusionring.torch as hvd
+    from fusionring.exceptions import TensorMismatchError
+    hvd.init()
+    x = torch.ones(4, device="cuda") if hvd.rank() == 0 else torch.ones(4)
+    try:
+        hvd.allreduce(x, name="mixed")
+        report("no error")
+    except TensorMismatchError as exc:
+        report(str(exc))
+    hvd.shutdown()
+""")
+
+
+@needs_gpu
+def test_a_rank_on_the_gpu_and_one_on_the_host_are_told_on_both(tmp_path):
+    results = run_ranks(2, _MIXED, tmp_path, timeout=180)
+    for text in results:
+        assert "reduced on" in text and "GPU (NCCL)" in text and "host memory" in text, text

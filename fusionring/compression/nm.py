@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -153,15 +153,15 @@ class NMCompressor(Compressor):
             return self._level(self._tensors.get(name) or _TensorState())
 
     def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
-        """Per-rank masks at fixed levels reduce on the GPU (the compressed ring with the CUDA
-        kernels between NCCL hops). A shared mask, the adaptive schedule and dense stages
-        keep their bookkeeping on the host, so those batches are staged through it."""
-        if (self.shared_mask or isinstance(self.schedule, AdaptiveSchedule)
-                or not getattr(_C, "nm_cuda_built", False)):
+        """Fixed levels reduce on the GPU with the CUDA kernels: per-rank masks on the
+        compressed ring (NCCL between hops), a shared mask (and dense stages) as one NCCL sum
+        of the kept values. The adaptive schedule keeps its statistics on the host, so its
+        batches are staged through it."""
+        if isinstance(self.schedule, AdaptiveSchedule) or not getattr(_C, "nm_cuda_built", False):
             return False
         levels = ([(self.n, self.m)] if self.schedule is None
                   else [self.schedule.initial] + [nm for _, nm in self.schedule.stages])
-        return all(n < m and 32 % m == 0 for n, m in levels)
+        return all(n == m or 32 % m == 0 for n, m in levels)
 
     def _level(self, state: _TensorState) -> Tuple[int, int]:
         if self.schedule is None:
@@ -290,7 +290,7 @@ class NMCompressor(Compressor):
             levels = [self._level(self._state(key)) for key in keys]
             ratios: List[Tuple[_TensorState, float, float]] = []
             if self.shared_mask:
-                self._shared_reduce(job, views, keys, levels, ratios)
+                self._shared_reduce_where(job, views, keys, levels, ratios)
             else:
                 start = 0
                 while start < len(views):  # runs of equal (n, m) reduce together
@@ -312,6 +312,67 @@ class NMCompressor(Compressor):
             if view is not out:  # a 16-bit gradient was reduced in float32
                 out.copy_(view)
         return wire
+
+    def _shared_reduce_where(self, job: ReductionContext, views, keys, levels, ratios) -> None:
+        """The shared-mask reduction where the batch lies: on a GPU in one pass, on the host
+        pipelined over a helper thread."""
+        if views and views[0].is_cuda:
+            self._shared_reduce_one_pass(job, views, keys, levels, job.device_allreduce)
+        else:
+            self._shared_reduce(job, views, keys, levels, ratios)
+
+    def _shared_reduce_one_pass(self, job: ReductionContext, views, keys, levels,
+                                allreduce: Callable[[torch.Tensor], None]) -> None:
+        """The shared-mask reduction as a GPU runs it, in stream order on any device: each
+        tensor is compensated, its kept values selected by the shared mask (all of it before
+        a mask exists) and packed into one payload, which `allreduce` sums in place; the sum
+        is scaled and scattered back and the estimates tracked. The same steps and bits as
+        _shared_reduce, without its pipeline (no host thread between GPU kernels). The
+        adaptive schedule is not taken here (its ratios are host reductions)."""
+        prescale, postscale = job.prescale, job.postscale
+        plans, parts = [], []
+        for x, key, (n, m) in zip(views, keys, levels):
+            state = self._state(key)
+            numel = x.numel()
+            if prescale != 1.0:
+                x.mul_(prescale)
+            residual = None
+            if self.error_feedback and key is not None:
+                stored = self.memory.residuals.get(key)
+                if stored is not None and stored.shape == x.shape:
+                    x.add_(stored.to(x.device))
+                residual = torch.empty(numel, device=x.device)
+            mask = self._shared_mask(state, n, m, numel, x.device)
+            if mask is None:
+                kept = x.to(self.values, copy=True)
+                if residual is not None:
+                    torch.sub(x, kept.float(), out=residual)
+            else:
+                kept = gather(x, mask, self.values, residual, nm=(n, m))
+            plans.append((key, state, x, n, m, mask, residual))
+            parts.append(kept)
+        payload = torch.cat(parts) if parts else torch.empty(0, dtype=self.values)
+        if payload.numel():
+            allreduce(payload)
+        at = 0
+        for (key, state, x, n, m, mask, residual), kept in zip(plans, parts):
+            part = payload[at:at + kept.numel()]
+            at += kept.numel()
+            if postscale != 1.0:  # scale the N/M values, not the dense result: same bits
+                part = part.float() if part.dtype != torch.float32 else part
+                part.mul_(postscale)
+            if mask is None:
+                x.copy_(part)
+            else:
+                scatter(part.contiguous(), mask, x.numel(), out=x, nm=(n, m))
+            if residual is not None:
+                self.memory.update(key, residual)
+            if key is not None:
+                self._update_estimate(state, x, mask)
+        size = job.size
+        sent = payload.numel() * payload.element_size()
+        self.stats["payload_bytes"] += sent
+        self.stats["wire_bytes"] += sent * 2 * (size - 1) // max(size, 1)
 
     def _shared_reduce(self, job: ReductionContext, views, keys, levels, ratios) -> None:
         prescale, postscale = job.prescale, job.postscale
@@ -419,7 +480,7 @@ class NMCompressor(Compressor):
     def _per_rank_reduce(self, job: ReductionContext, views, keys, level, ratios) -> None:
         n, m = level
         if n == m:  # dense: the shared path with no mask does exactly that
-            return self._shared_reduce(job, views, keys, [level] * len(views), ratios)
+            return self._shared_reduce_where(job, views, keys, [level] * len(views), ratios)
         sizes = [x.numel() for x in views]
         sub = contiguous_view(views)  # one compressed ring over all of them
         if sub is None:

@@ -125,19 +125,19 @@ class CompressedAllreduce(AllreduceOp):
         else:
             outputs = list(torch.split(buffer.reshape(-1), [r.output.numel() for r in requests]))
         names = [r.name for r in requests]
-        device_ring = None
+        device_ring = device_allreduce = None
         if first.tensor.is_cuda:
             if rt._nccl is None:
                 rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size,
                                          rt.config.stall_shutdown_s)
-            device_ring = rt._nccl.ring
+            device_ring, device_allreduce = rt._nccl.ring, rt._nccl.sum_in_place
         return ReductionContext(
             core=rt._core, outputs=outputs, names=names,
             keys=[n if is_cacheable(n) else None for n in names], buffer=buffer,
             core_op=first.core_op, prescale=first.prescale, postscale=first.postscale,
             ring_segment_bytes=rt.config.ring_segment_bytes,
             small_message_bytes=rt.config.small_message_bytes, size=rt.size,
-            device_ring=device_ring)
+            device_ring=device_ring, device_allreduce=device_allreduce)
 
 
 class SharedMemoryAllreduce(AllreduceOp):

@@ -25,7 +25,8 @@ from ..timeline import LaneView, Timeline
 from .allreduce import (AllreduceOps, CompressedAllreduce, NcclAllreduce, RingAllreduce,
                         SharedMemoryAllreduce, lane)
 from .collectives import MpiCollectives
-from .nccl import NcclTransport
+from .nccl import NcclTransport, ready_event
+from .nccl_collectives import NcclCollectives
 from .requests import Request, Stats
 from .topology import (HostLayout, wait_mode, wait_policy, wants_shared_memory,
                        warn_unless_thread_multiple)
@@ -148,6 +149,7 @@ class Runtime:
         # Collectives other than allreduce, one request at a time, in response order.
         self._mpi = MpiCollectives(self)
         self._collectives: Dict[str, Callable[[List[Request]], None]] = self._mpi.by_kind()
+        self._gpu_collectives = NcclCollectives(self).by_kind()
         self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
         self._thread.start()
 
@@ -509,7 +511,9 @@ class Runtime:
         if spec.kind == "allreduce":
             tensor = real_view(tensor)
         request = Request(item.name, spec, tensor, tensor, root=spec.root,
-                          submitted_at=time.monotonic())
+                          submitted_at=time.monotonic(),
+                          # the zeros are written on the current stream, the NCCL one reads
+                          ready_event=ready_event(tensor) if tensor.is_cuda else None)
         if spec.kind == "allreduce":
             request.core_op, request.prescale, request.postscale = core_reduction(
                 ReduceOp[spec.op], spec.prescale, spec.postscale, self.size)
@@ -610,6 +614,8 @@ class Runtime:
             run = self._collectives.get(request.spec.kind)
             if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
                 run = self._mpi.adasum  # per tensor: its coefficients come from its own norms
+            elif run is not None and request.tensor is not None and request.tensor.is_cuda:
+                run = self._gpu_collectives[request.spec.kind]  # a CUDA tensor, over NCCL
             if run is not None:
                 self._guarded([request], run)
 

@@ -67,6 +67,17 @@ def reduces_on_device(tensor: torch.Tensor, prescale: float, postscale: float,
     dtype, the scales, the setting, whether NCCL loads); where ranks differ, the negotiation
     names the mismatch. `mode` is the ``nccl`` setting: on requires NCCL, off never uses it.
     """
+    if not moves_on_device(tensor, mode):
+        return False
+    if tensor.dtype not in _TYPES:
+        return False
+    # Integer tensors that must be scaled keep the host path's rounding of the scaled values.
+    return tensor.is_floating_point() or (prescale == 1.0 and postscale == 1.0)
+
+
+def moves_on_device(tensor: torch.Tensor, mode: str) -> bool:
+    """Whether a collective that only moves `tensor`'s bytes (broadcast, allgather, alltoall)
+    runs on its GPU; any dtype does. `mode` as for reduces_on_device."""
     if not tensor.is_cuda or mode == "off":
         return False
     if nccl_module() is None:
@@ -74,10 +85,7 @@ def reduces_on_device(tensor: torch.Tensor, prescale: float, postscale: float,
             raise ValueError("FUSIONRING_NCCL=on, but CuPy's NCCL binding does not load here; "
                              "install it with pip install \"fusionring[gpu]\"")
         return False
-    if tensor.dtype not in _TYPES:
-        return False
-    # Integer tensors that must be scaled keep the host path's rounding of the scaled values.
-    return tensor.is_floating_point() or (prescale == 1.0 and postscale == 1.0)
+    return True
 
 
 def ready_event(tensor: torch.Tensor) -> "torch.cuda.Event":
@@ -231,6 +239,50 @@ class NcclTransport:
         started, finished = self.on_stream(outputs[0].device, ready, work, describe)
         return {"gpu_ms": started.elapsed_time(finished)}
 
+    def sum_in_place(self, tensor: torch.Tensor) -> None:
+        """NCCL's allreduce (sum) of contiguous `tensor` in place, on the transport's stream.
+        Called inside on_stream(), as a compressor's summable payload is."""
+        self._connect(tensor.device)
+        nccl = nccl_module()
+        if tensor.dtype not in _TYPES:
+            raise ValueError(f"NCCL cannot sum {tensor.dtype} tensors")
+        self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                             getattr(nccl, _TYPES[tensor.dtype]), nccl.NCCL_SUM,
+                             self.stream.cuda_stream)
+
+    def broadcast_bytes(self, data: torch.Tensor, root: int) -> None:
+        """Root's bytes into `data` (uint8) on every rank. Inside on_stream()."""
+        nccl = nccl_module()
+        if data.numel():
+            self._comm.bcast(data.data_ptr(), data.numel(), nccl.NCCL_UINT8, root,
+                             self.stream.cuda_stream)
+
+    def exchange(self, sends: Dict[int, torch.Tensor], recvs: Dict[int, torch.Tensor]) -> None:
+        """Send each uint8 tensor of `sends` to its rank and receive each of `recvs` from its
+        rank, all in one group call (empty ones are skipped: both sides know the sizes).
+        Inside on_stream()."""
+        nccl = nccl_module()
+        stream = self.stream.cuda_stream
+        nccl.groupStart()
+        try:
+            for peer in sorted(set(sends) | set(recvs)):
+                send, recv = sends.get(peer), recvs.get(peer)
+                if send is not None and send.numel():
+                    self._comm.send(send.data_ptr(), send.numel(), nccl.NCCL_UINT8, peer, stream)
+                if recv is not None and recv.numel():
+                    self._comm.recv(recv.data_ptr(), recv.numel(), nccl.NCCL_UINT8, peer, stream)
+        finally:
+            nccl.groupEnd()
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, core_op: int) -> None:
+        """NCCL's reduce-scatter of contiguous `send` into `recv` (its equal block), by the
+        core's op code. Inside on_stream()."""
+        nccl = nccl_module()
+        if recv.numel():
+            self._comm.reduceScatter(send.data_ptr(), recv.data_ptr(), recv.numel(),
+                                     getattr(nccl, _TYPES[send.dtype]),
+                                     getattr(nccl, _OPS[core_op]), self.stream.cuda_stream)
+
     def ring(self, buffer: torch.Tensor, codec: Any, residual: Optional[torch.Tensor],
              prescale: float, postscale: float) -> Dict[str, int]:
         """The compressed ring (runtime/compressed_ring.py) on `buffer`'s GPU: each hop an
@@ -253,15 +305,26 @@ class NcclTransport:
                                     residual=residual, prescale=prescale, postscale=postscale)
 
     def _wait(self, event: "torch.cuda.Event", describe: Callable[[], str]) -> None:
-        """Wait on the host for `event`, napping; abort the communicator past the stall limit."""
+        """Wait on the host for `event`, napping. NCCL's asynchronous errors (a peer's
+        connection lost) and, when set, the stall limit abort the communicator and fail the
+        batch, and every later GPU batch of this runtime, instead of waiting for ever."""
+        nccl = nccl_module()
         nap = _FIRST_NAP_S
         started = time.monotonic()
         while not event.query():
-            if (self._stall_shutdown_s is not None
+            failure = None
+            if nap >= _LONGEST_NAP_S:  # polled every millisecond once the batch is slow
+                try:
+                    self._comm.check_async_error()
+                except nccl.NcclError as exc:
+                    failure = f"NCCL failed during {describe()} on rank {self.rank}: {exc}"
+            if (failure is None and self._stall_shutdown_s is not None
                     and time.monotonic() - started > self._stall_shutdown_s):
-                self._failure = (f"NCCL allreduce of {describe()} did not finish within "
-                                 f"{self._stall_shutdown_s:g} s on rank {self.rank}: a peer "
-                                 f"stopped taking part; the NCCL communicator was aborted")
+                failure = (f"NCCL collective {describe()} did not finish within "
+                           f"{self._stall_shutdown_s:g} s on rank {self.rank}: a peer stopped "
+                           f"taking part")
+            if failure is not None:
+                self._failure = failure + "; the NCCL communicator was aborted"
                 comm, self._comm = self._comm, None
                 try:
                     comm.abort()

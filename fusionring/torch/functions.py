@@ -24,7 +24,8 @@ from ..dtypes import check_dtype, complex_result, dtype_name, real_view
 from ..compression import Compression, capabilities, describe
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..runtime import Request
-from ..runtime.nccl import DEVICE, nccl_version, reduces_on_device, ready_event
+from ..runtime.nccl import (DEVICE, moves_on_device, nccl_version, reduces_on_device,
+                             ready_event)
 from ..process_sets import ProcessSet, register_at_init, runtime_for
 from ..ops import ReduceOp, core_reduction, resolve_op
 from .threads import fit_intra_op_threads
@@ -142,9 +143,10 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
+    """Whether the core was built with its CUDA kernels (N:M on the GPU)."""
     from .. import _C
 
-    return bool(getattr(_C, "cuda_built", False))
+    return bool(getattr(_C, "nm_cuda_built", False))
 
 
 def communication_stats() -> Dict[str, Any]:
@@ -280,6 +282,12 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True,
     else:
         host = tensor.detach().to("cpu").contiguous()
     return real_view(host) if reduced else host
+
+
+def _moves_on_gpu(tensor: Any, runtime) -> bool:
+    """Whether a collective that only moves `tensor`'s bytes runs on its GPU over NCCL."""
+    return (isinstance(tensor, torch.Tensor) and tensor.is_cuda
+            and moves_on_device(tensor, runtime.config.nccl))
 
 
 def _check_complex_op(tensor: torch.Tensor, op: ReduceOp, kind: str, name: Optional[str]) -> None:
@@ -610,13 +618,15 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
 
 # ---------------------------------------------------------------------- allgather
 def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> Request:
-    _rt.get("allgather")
+    runtime = _rt.get("allgather")
     full = _full_name("allgather", name)
-    host = _host(tensor, name or full, reduced=False)
+    on_device = _moves_on_gpu(tensor, runtime)
+    host = _host(tensor, name or full, reduced=False, on_device=on_device)
     if host.dim() == 0:
         host = host.reshape(1)
-    spec = TensorSpec("allgather", dtype_name(tensor.dtype), tuple(host.shape))
-    return Request(full, spec, host, None)
+    spec = TensorSpec("allgather", dtype_name(tensor.dtype), tuple(host.shape),
+                      device=DEVICE if on_device else "")
+    return Request(full, spec, host, None, ready_event=ready_event(host) if on_device else None)
 
 
 @_routed
@@ -777,12 +787,16 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> Requ
     runtime = _rt.get("alltoall")
     what = _described("alltoall", name)
     # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
-    host = _host(tensor, name if name is not None else "(unnamed)", reduced=False)
+    on_device = _moves_on_gpu(tensor, runtime)
+    host = _host(tensor, name if name is not None else "(unnamed)", reduced=False,
+                 on_device=on_device)
     if host.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to split")
     sent = _alltoall_splits(splits, host.shape[0], runtime.size, what)
-    spec = TensorSpec("alltoall", dtype_name(tensor.dtype), tuple(host.shape))
-    return Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent})
+    spec = TensorSpec("alltoall", dtype_name(tensor.dtype), tuple(host.shape),
+                      device=DEVICE if on_device else "")
+    return Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent},
+                   ready_event=ready_event(host) if on_device else None)
 
 
 @_routed
@@ -847,16 +861,19 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     if reduce_op == ReduceOp.Adasum:
         # NotImplementedError is a RuntimeError, what Horovod raises here.
         raise NotImplementedError(f"{what}: op=Adasum is for allreduce only")
-    host = _host(tensor, name if name is not None else "(unnamed)")
+    core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
+    on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
+                 and reduces_on_device(tensor, pre, post, runtime.config.nccl))
+    host = _host(tensor, name if name is not None else "(unnamed)", on_device=on_device)
     if tensor.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
     _check_complex_op(tensor, reduce_op, "reducescatter", name)
-    core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     spec = TensorSpec("reducescatter", dtype_name(tensor.dtype), tuple(tensor.shape),
                       op=reduce_op.name, prescale=float(prescale_factor),
-                      postscale=float(postscale_factor))
+                      postscale=float(postscale_factor), device=DEVICE if on_device else "")
     return Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
-                       prescale=pre, postscale=post)
+                   prescale=pre, postscale=post,
+                   ready_event=ready_event(host) if on_device else None)
 
 
 @_routed
@@ -981,11 +998,14 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
         raise ValueError(f"{what}: root_rank {root_rank} is out of range for {runtime.size} "
                          f"ranks")
     full = _full_name("broadcast", name)
-    host = _host(tensor, name or full, reduced=False)
+    on_device = _moves_on_gpu(tensor, runtime)
+    host = _host(tensor, name or full, reduced=False, on_device=on_device)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     spec = TensorSpec("broadcast", dtype_name(tensor.dtype), tuple(tensor.shape),
-                      root=root)
-    return Request(full, spec, host, output, root=root)
+                      root=root, device=DEVICE if on_device else "")
+    # The event comes after the clone, so the NCCL stream waits for the copy too.
+    return Request(full, spec, host, output, root=root,
+                   ready_event=ready_event(output) if on_device else None)
 
 
 @_routed
