@@ -4,6 +4,9 @@
     fusionrun -np 4 python examples/synthetic_benchmark.py --fp16-allreduce
     fusionrun -np 4 python examples/synthetic_benchmark.py --use-adasum
 
+On a machine with GPUs each rank trains on the GPU of its local rank (``--no-cuda`` stays on
+the CPU).
+
 Random images and labels stay fixed, so only the step itself is timed: forward, backward,
 gradient allreduce and update. Rank 0 prints images/s per rank for each timed iteration,
 their mean and a 95% interval, and the total over all ranks. Only the import differs from a
@@ -45,16 +48,22 @@ def main() -> None:
     parser.add_argument("--fp16-allreduce", action="store_true",
                         help="gradients travel as float16")
     parser.add_argument("--use-adasum", action="store_true", help="combine updates with Adasum")
+    parser.add_argument("--no-cuda", action="store_true",
+                        help="stay on the CPU even where a GPU is present")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: init() fits them to the cores)")
     args = parser.parse_args()
 
     hvd.init()
     torch.manual_seed(42)
+    cuda = not args.no_cuda and torch.cuda.is_available()
+    if cuda:  # one GPU per rank; its tensors are reduced on it, over NCCL where it loads
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda" if cuda else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = conv_net(args.classes)
+    model = conv_net(args.classes).to(device)
     # Adasum combines updates without averaging them, so the learning rate is not scaled.
     lr_scaler = 1 if args.use_adasum else hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
@@ -65,8 +74,8 @@ def main() -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    target = torch.randint(0, args.classes, (args.batch_size,))
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    target = torch.randint(0, args.classes, (args.batch_size,), device=device)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -78,7 +87,7 @@ def main() -> None:
             print(text, flush=True)
 
     log(f"Model: conv net, {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"batch size {args.batch_size} per rank; {hvd.size()} ranks; "
+        f"batch size {args.batch_size} per rank; {hvd.size()} ranks on {device.type}; "
         f"{'Adasum' if args.use_adasum else 'Average'}"
         f"{', fp16 allreduce' if args.fp16_allreduce else ''}")
     timeit.timeit(step, number=args.num_warmup_batches)

@@ -5,7 +5,8 @@
 #   3. the GPU tests: the kernels bit-equal to the CPU's, world-size-1 NCCL collectives, a
 #      training step with each compressor against the host, two ranks on one GPU refused,
 #      and on a machine of several GPUs the multi-rank tests;
-#   4. scripts/bench_gpu.py: kernel throughput against a device copy, the allreduce on the GPU
+#   4. examples/synthetic_benchmark.py on the GPU (one rank);
+#   5. scripts/bench_gpu.py: kernel throughput against a device copy, the allreduce on the GPU
 #      against staged through host memory, and host-device copies in a profiled training step
 #      with each compressor (docs/benchmarks/gpu.md).
 # Logs and the report go to $OUT (default /tmp/gpu_check) as well.
@@ -51,7 +52,11 @@ echo "== 3. GPU tests"
     2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== 4. benchmark"
+echo "== 4. a Horovod-style script on the GPU"
+mpiexec -n 1 "$python" examples/synthetic_benchmark.py --num-iters 2 2>&1 | tee "$out/example.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== 5. benchmark"
 "$python" scripts/bench_gpu.py --output docs/benchmarks/gpu.md 2>&1 | tee "$out/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cp docs/benchmarks/gpu.md docs/benchmarks/gpu.png docs/benchmarks/gpu.json "$out"/ 2>/dev/null

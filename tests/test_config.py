@@ -48,6 +48,14 @@ def test_bursts_setting(env):
         env(FUSIONRING_BURSTS="sometimes")
 
 
+def test_nccl_setting(env):
+    assert env().nccl == "auto"
+    assert env(FUSIONRING_NCCL="off").nccl == "off"
+    assert env(FUSIONRING_NCCL="1").nccl == "on"
+    with pytest.raises(ValueError, match=r"FUSIONRING_NCCL='gpu': expected auto, on or off"):
+        env(FUSIONRING_NCCL="gpu")
+
+
 def test_horovod_variables_keep_their_meaning(env):
     s = env(HOROVOD_FUSION_THRESHOLD="33554432", HOROVOD_CYCLE_TIME="3.5",
             HOROVOD_TIMELINE="/tmp/x/timeline.json", HOROVOD_TIMELINE_MARK_CYCLES="0",
