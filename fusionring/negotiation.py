@@ -56,7 +56,7 @@ class TensorSpec:
     postscale: float = 1.0
     compression: str = ""     # a compressor that runs inside the runtime
     detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
-    device: str = ""          # "cuda": an allreduce reduced on the GPU over NCCL; "": host
+    device: str = ""          # "cuda": on the GPU over NCCL; "": through host memory
 
     def comparable(self) -> tuple:
         """The fields that must be equal across ranks (allgather and alltoall may differ

@@ -1,9 +1,9 @@
-"""The NCCL transport: CUDA tensors allreduced on their GPU, through CuPy's binding of NCCL.
+"""The NCCL transport: collectives of CUDA tensors on their GPU, through CuPy's binding of NCCL.
 
 Negotiation stays on MPI; only the bytes move over NCCL. Each runtime (the global one and
-one per process set) gets one NCCL communicator, created by the first batch of CUDA
-tensors it reduces. Every rank of the set reaches that batch in the same order, so creating
-the communicator there is collective: rank 0 makes NCCL's unique id and broadcasts it over
+one per process set) gets one NCCL communicator, created by its first collective of CUDA
+tensors. Every rank of the set reaches that collective in the same order, so creating the
+communicator there is collective: rank 0 makes NCCL's unique id and broadcasts it over
 the runtime's MPI communicator (mpi4py).
 
 The reduction runs on a CUDA stream of the transport's own. That stream first waits, on the
@@ -35,7 +35,7 @@ _TYPES = {torch.float32: "NCCL_FLOAT32", torch.float64: "NCCL_FLOAT64",
 # within tens of microseconds on the device), then longer, so a slow peer costs no core.
 _FIRST_NAP_S, _LONGEST_NAP_S = 20e-6, 1e-3
 
-DEVICE = "cuda"  # TensorSpec.device of an allreduce that this transport carries
+DEVICE = "cuda"  # TensorSpec.device of a collective that this transport carries
 
 
 @functools.lru_cache(maxsize=1)
