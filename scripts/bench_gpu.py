@@ -249,6 +249,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     import fusionring.torch as hvd
 
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False here)")
     hvd.init()
     torch.cuda.set_device(hvd.local_rank())
     results: Dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

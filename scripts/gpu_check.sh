@@ -13,8 +13,10 @@
 #
 # Needs torch with CUDA, CuPy (pip install "fusionring[gpu]", or any cupy-cuda1Nx with its
 # NCCL), mpi4py with an MPI, cmake, pybind11 and nvcc. On a machine that cannot fetch
-# packages, put the missing wheels (e.g. mpich's, which brings mpicxx and mpiexec) in .whl/:
-# they are installed into /tmp/site first.
+# packages, put the missing wheels in .whl/ first; they are installed into /tmp/site. MPICH's
+# wheel brings mpicxx, mpiexec and libmpi (13 MB), fetched elsewhere with e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl mpich
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_check}
@@ -26,12 +28,13 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     export PATH=/tmp/site/bin:$PATH
+    export LD_LIBRARY_PATH=/tmp/site/lib:${LD_LIBRARY_PATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 
 echo "== 1. build with CUDA"
-FUSIONRING_CUDA=on "$python" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || {
+FUSIONRING_CUDA=${FUSIONRING_CUDA:-on} "$python" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || {
     tail -40 "$out/build.log"; echo "build failed"; exit 1; }
 
 echo "== 2. what is there"
