@@ -295,3 +295,47 @@ def test_a_rank_on_the_gpu_and_one_on_the_host_are_told_on_both(tmp_path):
     results = run_ranks(2, _MIXED, tmp_path, timeout=180)
     for text in results:
         assert "reduced on" in text and "GPU (NCCL)" in text and "host memory" in text, text
+
+
+class _Pending:
+    """A CUDA event that never completes (a peer that stopped taking part)."""
+
+    def query(self) -> bool:
+        return False
+
+
+class _Comm:
+    def __init__(self, error=None):
+        self.error, self.aborted = error, False
+
+    def check_async_error(self):
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def abort(self):
+        self.aborted = True
+
+
+def _stalled_transport(monkeypatch, stall_s, error=None):
+    monkeypatch.setattr(nccl, "nccl_module", lambda: types.SimpleNamespace(NcclError=RuntimeError))
+    transport = nccl.NcclTransport(mpi_comm=None, rank=3, size=4, stall_shutdown_s=stall_s)
+    transport._comm = comm = _Comm(error)
+    return transport, comm
+
+
+def test_a_stalled_gpu_batch_aborts_nccl_and_fails_this_and_later_batches(monkeypatch):
+    transport, comm = _stalled_transport(monkeypatch, stall_s=0.05)
+    with pytest.raises(hvd.HorovodInternalError, match=r"'grad' did not finish within 0.05 s on "
+                                                      r"rank 3.*communicator was aborted"):
+        transport._wait(_Pending(), lambda: "'grad'")
+    assert comm.aborted
+    with pytest.raises(hvd.HorovodInternalError, match="did not finish"):
+        transport._connect(torch.device("cuda", 0))  # the next batch fails at once
+
+
+def test_an_asynchronous_nccl_error_fails_the_batch_without_a_stall_limit(monkeypatch):
+    transport, comm = _stalled_transport(monkeypatch, stall_s=None, error="remote process exited")
+    with pytest.raises(hvd.HorovodInternalError, match=r"NCCL failed during 'grad' on rank 3: "
+                                                      r"remote process exited"):
+        transport._wait(_Pending(), lambda: "'grad'")
+    assert comm.aborted

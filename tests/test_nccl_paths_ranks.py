@@ -16,7 +16,7 @@ import pytest
 from conftest import run_ranks
 
 _CODE = """
-import ctypes, types
+import contextlib, ctypes, types
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -105,6 +105,10 @@ def _connect(self, device):
 
 
 NcclTransport._connect = _connect
+# NcclTransport.on_stream runs as written: the stream's context is a no-op and every event
+# has completed.
+torch.cuda.device = lambda device: contextlib.nullcontext()
+torch.cuda.stream = lambda stream: contextlib.nullcontext()
 # The N:M kernels "on the GPU" are the CPU kernels with the GPU kernels' arguments.
 _C.nm_cuda_built = True
 _C.nm_compress_cuda = lambda src, count, n, m, values, code, mask, residual, stream: (
@@ -114,8 +118,6 @@ _C.nm_gather_cuda = lambda src, count, n, m, mask, out, code, residual, stream: 
 _C.nm_scatter_cuda = lambda values, code, mask, count, n, m, out, accumulate, stream: (
     _C.nm_scatter_add(values, code, mask, count, out) if accumulate
     else _C.nm_scatter(values, code, mask, count, out, DTYPE_CODES[torch.float32]))
-NcclTransport.on_stream = lambda self, device, ready, work, describe=None: (
-    self._connect(device), work())[1]
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -193,6 +195,13 @@ for shared in (True, False):
             hvd.allreduce(gpu(x), name=f"nm{shared}", compression=on_gpu),
             hvd.allreduce(x, name=f"hnm{shared}", compression=on_host))
 out["nm.on_gpu"] = CALLS["allReduce"] > before["allReduce"] and CALLS["send"] > before["send"]
+# A process set has a communicator (and transport) of its own.
+pair = hvd.add_process_set([0, 1])
+if rank in (0, 1):
+    x = ints(64)
+    out["process_set"] = same(hvd.allreduce(gpu(x), op=hvd.Sum, name="ps", process_set=pair),
+                              hvd.allreduce(x, op=hvd.Sum, name="hps", process_set=pair))
+hvd.remove_process_set(pair)
 out["calls"] = {k: v > 0 for k, v in CALLS.items()}
 report(out)
 hvd.shutdown()
