@@ -17,7 +17,6 @@ from ..negotiation import is_cacheable
 from ..reduction import ReductionContext
 from ..scheduler import THRESHOLD
 from ..timeline import recording_phases
-from .nccl import NcclTransport
 from .requests import Request
 
 
@@ -60,12 +59,10 @@ class NcclAllreduce(AllreduceOp):
     def execute(self, requests: List[Request], kind: str) -> None:
         rt = self._rt
         first = requests[0]
-        if rt._nccl is None:
-            rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size, rt.config.stall_shutdown_s)
         t0 = time.perf_counter()
         total = sum(r.nbytes for r in requests)
         contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
-        device_time = rt._nccl.allreduce(
+        device_time = rt.nccl().allreduce(
             [r.output for r in requests], [r.ready_event for r in requests], first.core_op,
             first.prescale, first.postscale, contiguous,
             describe=lambda: repr(lane(requests)))
@@ -101,7 +98,7 @@ class CompressedAllreduce(AllreduceOp):
         with recording_phases(rt._timeline, f"{name} (compression)",
                               {"tensors": len(requests), "bytes": total}):
             if first.tensor.is_cuda:  # on the NCCL stream, after the tensors' producers
-                sent = rt._nccl.on_stream(first.output.device,
+                sent = rt.nccl().on_stream(first.output.device,
                                           [r.ready_event for r in requests],
                                           lambda: first.communicator(context),
                                           describe=lambda: repr(name))
@@ -127,10 +124,7 @@ class CompressedAllreduce(AllreduceOp):
         names = [r.name for r in requests]
         device_ring = device_allreduce = None
         if first.tensor.is_cuda:
-            if rt._nccl is None:
-                rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size,
-                                         rt.config.stall_shutdown_s)
-            device_ring, device_allreduce = rt._nccl.ring, rt._nccl.sum_in_place
+            device_ring, device_allreduce = rt.nccl().ring, rt.nccl().sum_in_place
         return ReductionContext(
             core=rt._core, outputs=outputs, names=names,
             keys=[n if is_cacheable(n) else None for n in names], buffer=buffer,

@@ -153,6 +153,14 @@ class Runtime:
         self._thread = threading.Thread(target=self._loop, name="fusionring-loop", daemon=True)
         self._thread.start()
 
+    def nccl(self) -> NcclTransport:
+        """This runtime's NCCL transport, made by its first collective of CUDA tensors (the
+        communicator itself is created there, collectively, on the tensors' GPU)."""
+        if self._nccl is None:
+            self._nccl = NcclTransport(self._data_comm, self.rank, self.size,
+                                       self.config.stall_shutdown_s)
+        return self._nccl
+
     def packs_fused_batches(self) -> bool:
         """Whether threshold fusion copies a batch into a fusion buffer and back, unless its
         tensors already lie back to back in batch order (without a shared-memory window)."""

@@ -40,14 +40,8 @@ class NcclCollectives:
         return {"allgather": self.allgather, "broadcast": self.broadcast,
                 "alltoall": self.alltoall, "reducescatter": self.reducescatter}
 
-    def _transport(self) -> NcclTransport:
-        rt = self._rt
-        if rt._nccl is None:
-            rt._nccl = NcclTransport(rt._data_comm, rt.rank, rt.size, rt.config.stall_shutdown_s)
-        return rt._nccl
-
     def _run(self, request: Request, work: Callable[[NcclTransport], None]) -> None:
-        transport = self._transport()
+        transport = self._rt.nccl()
         event, request.ready_event = request.ready_event, None
         # The results were just allocated on the current stream, whose earlier work may still
         # use that memory: the NCCL stream waits for it too.
