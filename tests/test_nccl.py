@@ -339,3 +339,15 @@ def test_an_asynchronous_nccl_error_fails_the_batch_without_a_stall_limit(monkey
                                                       r"remote process exited"):
         transport._wait(_Pending(), lambda: "'grad'")
     assert comm.aborted
+
+
+def test_a_tensor_on_another_gpu_is_refused_on_its_own_rank():
+    from fusionring.torch import functions
+
+    runtime = types.SimpleNamespace(gpu=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"tensor 'w' is on cuda:1, but this rank's collectives "
+                                         r"run on cuda:0: NCCL takes one GPU per rank"):
+        functions._check_gpu(types.SimpleNamespace(device=torch.device("cuda", 1)), "w", runtime)
+    functions._check_gpu(types.SimpleNamespace(device=torch.device("cuda", 0)), "w", runtime)
+    functions._check_gpu(types.SimpleNamespace(device=torch.device("cuda", 1)), "w",
+                         types.SimpleNamespace(gpu=None))  # before the first GPU collective

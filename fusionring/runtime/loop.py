@@ -161,6 +161,11 @@ class Runtime:
                                        self.config.stall_shutdown_s)
         return self._nccl
 
+    @property
+    def gpu(self) -> Optional[torch.device]:
+        """The GPU this runtime's NCCL collectives run on, once the first one has run."""
+        return self._nccl.device if self._nccl is not None else None
+
     def packs_fused_batches(self) -> bool:
         """Whether threshold fusion copies a batch into a fusion buffer and back, unless its
         tensors already lie back to back in batch order (without a shared-memory window)."""

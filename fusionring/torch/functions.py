@@ -260,6 +260,16 @@ def _full_name(kind: str, name: Optional[str]) -> str:
     return f"{kind}.{name}"
 
 
+def _check_gpu(tensor: torch.Tensor, name: str, runtime) -> None:
+    """A CUDA tensor must lie on the GPU this rank's NCCL collectives run on: refused here,
+    on the caller's rank, rather than hanging its peers inside NCCL."""
+    gpu = runtime.gpu
+    if gpu is not None and tensor.device != gpu:
+        raise ValueError(f"tensor '{name}' is on {tensor.device}, but this rank's collectives "
+                         f"run on {gpu}: NCCL takes one GPU per rank (torch.cuda.set_device("
+                         f"hvd.local_rank()) before creating tensors)")
+
+
 def _host(tensor: torch.Tensor, name: str, reduced: bool = True,
           on_device: bool = False) -> torch.Tensor:
     """A contiguous CPU tensor holding the data (device tensors are staged through host),
@@ -284,10 +294,13 @@ def _host(tensor: torch.Tensor, name: str, reduced: bool = True,
     return real_view(host) if reduced else host
 
 
-def _moves_on_gpu(tensor: Any, runtime) -> bool:
+def _moves_on_gpu(tensor: Any, runtime, name: str) -> bool:
     """Whether a collective that only moves `tensor`'s bytes runs on its GPU over NCCL."""
-    return (isinstance(tensor, torch.Tensor) and tensor.is_cuda
-            and moves_on_device(tensor, runtime.config.nccl))
+    on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
+                 and moves_on_device(tensor, runtime.config.nccl))
+    if on_device:
+        _check_gpu(tensor, name, runtime)
+    return on_device
 
 
 def _check_complex_op(tensor: torch.Tensor, op: ReduceOp, kind: str, name: Optional[str]) -> None:
@@ -318,6 +331,8 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
                  and reduce_op != ReduceOp.Adasum
                  and (not in_runtime or compression.reduces_on_gpu(tensor))
                  and reduces_on_device(tensor, pre, post, runtime.config.nccl))
+    if on_device:
+        _check_gpu(tensor, name or full, runtime)
     host = _host(tensor, name or full, on_device=on_device)
     _check_complex_op(tensor, reduce_op, "allreduce", name or full)
     if reduce_op == ReduceOp.Adasum:
@@ -620,7 +635,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
 def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> Request:
     runtime = _rt.get("allgather")
     full = _full_name("allgather", name)
-    on_device = _moves_on_gpu(tensor, runtime)
+    on_device = _moves_on_gpu(tensor, runtime, name or full)
     host = _host(tensor, name or full, reduced=False, on_device=on_device)
     if host.dim() == 0:
         host = host.reshape(1)
@@ -787,7 +802,7 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> Requ
     runtime = _rt.get("alltoall")
     what = _described("alltoall", name)
     # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
-    on_device = _moves_on_gpu(tensor, runtime)
+    on_device = _moves_on_gpu(tensor, runtime, name if name is not None else "(unnamed)")
     host = _host(tensor, name if name is not None else "(unnamed)", reduced=False,
                  on_device=on_device)
     if host.dim() == 0:
@@ -864,6 +879,8 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
                  and reduces_on_device(tensor, pre, post, runtime.config.nccl))
+    if on_device:
+        _check_gpu(tensor, name if name is not None else "(unnamed)", runtime)
     host = _host(tensor, name if name is not None else "(unnamed)", on_device=on_device)
     if tensor.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no first dimension to scatter")
@@ -998,7 +1015,7 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
         raise ValueError(f"{what}: root_rank {root_rank} is out of range for {runtime.size} "
                          f"ranks")
     full = _full_name("broadcast", name)
-    on_device = _moves_on_gpu(tensor, runtime)
+    on_device = _moves_on_gpu(tensor, runtime, name or full)
     host = _host(tensor, name or full, reduced=False, on_device=on_device)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
     spec = TensorSpec("broadcast", dtype_name(tensor.dtype), tuple(tensor.shape),
