@@ -23,6 +23,9 @@ step at once after the reduction, sharing the cores).
     python scripts/bench_step_phases.py -np 4 --rate 1gbit --rounds 3 \
         --output docs/benchmarks/step-phases-1gbit.md
 
+``--no-bias`` drops the layers' biases; ``--fp16`` sends float16 gradients
+(``Compression.fp16`` against DDP's ``fp16_compress_hook``).
+
 Needs root (the lab) and MPICH's mpiexec; contenders run interleaved, one launch each per
 round.
 """
@@ -44,7 +47,8 @@ LIBRARIES = ("fusionring", "ddp", "none")
 PAYLOAD_SHARE = 0.956  # TCP payload per Ethernet frame (1448 of 1514 bytes), see docs/cluster.md
 
 
-def worker(library: str, steps: int, hidden: int, depth: int, bias: bool, out: str) -> None:
+def worker(library: str, steps: int, hidden: int, depth: int, bias: bool, out: str,
+           fp16: bool = False) -> None:
     import torch
     import torch.nn.functional as F
     from mpi4py import MPI
@@ -63,11 +67,16 @@ def worker(library: str, steps: int, hidden: int, depth: int, bias: bool, out: s
         hvd.init()
         model = net
         opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=net.named_parameters())
+                                       named_parameters=net.named_parameters(),
+                                       compression=hvd.Compression.fp16 if fp16
+                                       else hvd.Compression.none)
     elif library == "ddp":
         from fusionring.bench.probes import init_gloo
         init_gloo(comm, "eth0")
         model = torch.nn.parallel.DistributedDataParallel(net)
+        if fp16:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         model = net
@@ -109,6 +118,7 @@ def worker(library: str, steps: int, hidden: int, depth: int, bias: bool, out: s
     if rank == 0:
         ring_bytes = sum(p.numel() * p.element_size() for p in net.parameters()
                          if p is not linears[-1].weight and p is not linears[-1].bias)
+        ring_bytes //= 2 if fp16 else 1  # float16 on the wire
         json.dump({"rows": everyone, "ring_bytes": ring_bytes * 2 * (size - 1) / size},
                   open(out, "w"))
     if hvd is not None:
@@ -147,7 +157,8 @@ def launch(library: str, args: argparse.Namespace, out: Path) -> None:
                "--cluster", str(args.np), "--rate", args.rate,
                sys.executable, str(Path(__file__).resolve()), "--worker", library,
                "--steps", str(args.steps), "--hidden", str(args.hidden),
-               "--depth", str(args.depth), "--out", str(out)] + (["--no-bias"] if args.no_bias else [])
+               "--depth", str(args.depth), "--out", str(out)]
+    command += (["--no-bias"] if args.no_bias else []) + (["--fp16"] if args.fp16 else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that namespaces have no hostnames
@@ -173,6 +184,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--no-bias", action="store_true",
                         help="Linear layers without biases (no small gradients beside the large ones)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="gradients travel as float16 (Compression.fp16; DDP's fp16_compress_hook)")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--output", default=None, help="write a markdown report here")
     parser.add_argument("--rerender", action="store_true",
@@ -181,7 +194,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.hidden, args.depth, not args.no_bias, args.out)
+        worker(args.worker, args.steps, args.hidden, args.depth, not args.no_bias, args.out,
+               args.fp16)
         return
     libraries = [name for name in args.libraries.split(",") if name]
     unknown = [name for name in libraries if name not in LIBRARIES]
@@ -189,7 +203,8 @@ def main() -> None:
         parser.error(f"--libraries: unknown {', '.join(unknown)} (choose from {', '.join(LIBRARIES)})")
     rate = rate_bits_per_s(args.rate)
     results: dict = {name: [] for name in libraries}
-    scratch = ROOT / "build" / ("step-phases-no-bias" if args.no_bias else "step-phases")
+    scratch = ROOT / "build" / ("step-phases" + ("-no-bias" if args.no_bias else "")
+                                + ("-fp16" if args.fp16 else ""))
     scratch.mkdir(parents=True, exist_ok=True)
     for round_ in range(args.rounds):
         for name in libraries:
@@ -277,7 +292,7 @@ def render(results: dict, args: argparse.Namespace, plot: Optional[Path]) -> str
             f"Medians over rounds of each launch's median step ({args.steps} steps, the first "
             f"{args.warmup} left out); {args.rounds} rounds, contenders alternated. Model: MLP "
             f"64 -> {args.hidden} x {args.depth} -> 10{' without biases' if args.no_bias else ''}, "
-            f"batch 32 per rank. The columns are "
+            f"batch 32 per rank{'; gradients travel as float16' if args.fp16 else ''}. The columns are "
             f"explained in the script's docstring.\n\n{text}\n\n{runs}\n"
             + (f"\n![phases]({plot.name})\n" if plot is not None else ""))
 
