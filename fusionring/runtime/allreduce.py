@@ -39,6 +39,13 @@ class AllreduceOp:
     def execute(self, requests: List[Request], kind: str) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def _layout(requests: List[Request]):
+        """(bytes of the batch, its outputs as one tensor when they lie back to back or None)."""
+        total = sum(r.nbytes for r in requests)
+        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
+        return total, contiguous
+
     def _count(self, requests: List[Request], nbytes: int, sent: Optional[int]) -> None:
         size = self._rt.size
         if not isinstance(sent, int):  # what a ring of `nbytes` sends from each rank
@@ -60,8 +67,7 @@ class NcclAllreduce(AllreduceOp):
         rt = self._rt
         first = requests[0]
         t0 = time.perf_counter()
-        total = sum(r.nbytes for r in requests)
-        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
+        total, contiguous = self._layout(requests)
         device_time = rt.nccl().allreduce(
             [r.output for r in requests], [r.ready_event for r in requests], first.core_op,
             first.prescale, first.postscale, contiguous,
@@ -217,8 +223,7 @@ class RingAllreduce(AllreduceOp):
         rt = self._rt
         first = requests[0]
         t0 = time.perf_counter()
-        total = sum(r.nbytes for r in requests)
-        contiguous = None if len(requests) == 1 else contiguous_view([r.output for r in requests])
+        total, contiguous = self._layout(requests)
         if len(requests) == 1:
             buffer = first.output
         elif contiguous is not None:  # already laid out as one buffer (a plan's group)
