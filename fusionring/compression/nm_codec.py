@@ -13,7 +13,8 @@ import torch
 
 from .. import _C
 from ..dtypes import VALUE_CODES
-from .nm_kernels import check_nm, check_values
+# The kernels run on the current stream: the NCCL transport's while the ring runs.
+from .nm_kernels import _stream, check_nm, check_values
 
 _FLOAT32 = VALUE_CODES[torch.float32]
 
@@ -75,8 +76,3 @@ class NmCodec:
         else:
             _C.nm_scatter(values.data_ptr(), self._code, mask.data_ptr(), count, out.data_ptr(),
                           _FLOAT32)
-
-
-def _stream(tensor: torch.Tensor) -> int:
-    # The kernels run on the current stream: the ring's (the NCCL transport's) while it runs.
-    return torch.cuda.current_stream(tensor.device).cuda_stream

@@ -242,7 +242,6 @@ class NcclTransport:
     def sum_in_place(self, tensor: torch.Tensor) -> None:
         """NCCL's allreduce (sum) of contiguous `tensor` in place, on the transport's stream.
         Called inside on_stream(), as a compressor's summable payload is."""
-        self._connect(tensor.device)
         nccl = nccl_module()
         if tensor.dtype not in _TYPES:
             raise ValueError(f"NCCL cannot sum {tensor.dtype} tensors")
@@ -288,7 +287,6 @@ class NcclTransport:
         """The compressed ring (runtime/compressed_ring.py) on `buffer`'s GPU: each hop an
         ncclSend/ncclRecv pair in one group call, the codec's kernels between hops. Called
         inside on_stream(), so all of it is ordered on the transport's stream."""
-        self._connect(buffer.device)
         nccl = nccl_module()
         comm, stream = self._comm, self.stream.cuda_stream
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
