@@ -266,3 +266,41 @@ def test_allreduce_with_the_compressor_sums_on_the_compressed_ring(tmp_path):
             np.testing.assert_array_equal(np.array(row["new_residual"], np.float32), res)
     for g in got:  # Max cannot be reduced by a quantizer: a clear error on every rank
         assert len(g["errors"]) == 1 and "Compression.cluster" in g["errors"][0]
+
+
+GROUPED_SCRIPT = '''
+import torch
+import fusionring.torch as hvd
+
+hvd.init()
+c = hvd.Compression.cluster(k=8, sample=300, seed=3)
+rows = []
+for step in range(6):
+    g = torch.Generator().manual_seed(100 * step + hvd.rank())
+    xs = [torch.randn(n, generator=g) for n in (500, 3, 1200)]
+    before = c.stats["reductions"]
+    residual = [c.memory.residuals.get(f"allreduce.grp.{i}", torch.zeros(x.numel())).clone()
+                for i, x in enumerate(xs)]
+    position = c.position
+    out = hvd.grouped_allreduce(xs, name="grp", op=hvd.Sum, compression=c)
+    rows.append({"input": torch.cat(xs).tolist(), "residual": torch.cat(residual).tolist(),
+                 "position": position, "out": torch.cat(out).tolist(),
+                 "reductions": c.stats["reductions"] - before})
+report(rows)
+hvd.shutdown()
+'''
+
+
+def test_a_grouped_allreduce_is_one_compressed_reduction(tmp_path):
+    """The group's tensors are negotiated and fused together: one ring over their
+    concatenation per call, whatever the timing."""
+    got = run_ranks(2, GROUPED_SCRIPT, tmp_path, timeout=120)
+    for step in range(6):
+        rows = [g[step] for g in got]
+        assert [row["reductions"] for row in rows] == [1, 1], step
+        want, _ = replay_ring([np.array(row["input"], np.float32) for row in rows],
+                              [np.array(row["residual"], np.float32) for row in rows],
+                              k=8, sample=300, buckets=8, seed=3, step=rows[0]["position"],
+                              segment_bytes=4 << 20)
+        for row in rows:
+            np.testing.assert_array_equal(np.array(row["out"], np.float32), want)

@@ -193,38 +193,56 @@ class Runtime:
         may wait for them, until end_burst(), a caller blocks, or a few cycle times pass.
         """
         with self._lock:
-            if self._failure is not None:
-                raise FusionRingError(str(self._failure))
-            if self._shutdown_requested:
-                raise FusionRingError("fusionring has been shut down on this rank")
-            if request.name in self._in_flight:
+            self._check_submittable([request])
+            return self._enqueue(request, burst)
+
+    def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
+        """Queue several requests at once (a grouped collective), so the loop negotiates and
+        fuses them together; returns their handles. Nothing is queued when one fails."""
+        with self._lock:
+            self._check_submittable(requests)
+            return [self._enqueue(request, burst) for request in requests]
+
+    def _check_submittable(self, requests: List[Request]) -> None:
+        # Under the lock.
+        if self._failure is not None:
+            raise FusionRingError(str(self._failure))
+        if self._shutdown_requested:
+            raise FusionRingError("fusionring has been shut down on this rank")
+        names = set()
+        for request in requests:
+            if request.name in self._in_flight or request.name in names:
                 raise ValueError(
                     f"a tensor named '{request.name}' is already in flight; every pending "
                     f"operation needs a unique name (synchronize the earlier one first)")
-            request.handle = next(self._handle_ids)
-            request.submitted_at = time.monotonic()
-            self._handles[request.handle] = request
-            self._in_flight[request.name] = request
-            self._queue.append(request)
-            if burst and self._burst_started is None:
-                self._burst_started = request.submitted_at
-            # The loop is woken only when what it waits for changes: a start, or a burst whose
-            # deadline comes before the loop's own next cycle. Waking it for each gradient of
-            # a held burst costs a thread switch apiece, taken from the training threads
-            # where ranks share cores.
-            was_started, was_held = self._start_now, self._burst_since is not None
-            if not burst or self._long_bursts or not self._hold_bursts:
-                self._start_now = True
-            elif self._burst_since is None:
-                self._burst_since = request.submitted_at  # the loop sets its deadline by it
-            self._burst_bytes += request.nbytes if burst else 0
-            if self._burst_bytes >= self.config.fusion_threshold_bytes:
-                self._start_now = True
-            if (self._start_now and not was_started) or (
-                    self._burst_since is not None and not was_held
-                    and self._idle_until is not None
-                    and self._burst_since + self._burst_window_s < self._idle_until):
-                self._wakeup.notify()
+            names.add(request.name)
+
+    def _enqueue(self, request: Request, burst: bool) -> int:
+        # Under the lock.
+        request.handle = next(self._handle_ids)
+        request.submitted_at = time.monotonic()
+        self._handles[request.handle] = request
+        self._in_flight[request.name] = request
+        self._queue.append(request)
+        if burst and self._burst_started is None:
+            self._burst_started = request.submitted_at
+        # The loop is woken only when what it waits for changes: a start, or a burst whose
+        # deadline comes before the loop's own next cycle. Waking it for each gradient of
+        # a held burst costs a thread switch apiece, taken from the training threads
+        # where ranks share cores.
+        was_started, was_held = self._start_now, self._burst_since is not None
+        if not burst or self._long_bursts or not self._hold_bursts:
+            self._start_now = True
+        elif self._burst_since is None:
+            self._burst_since = request.submitted_at  # the loop sets its deadline by it
+        self._burst_bytes += request.nbytes if burst else 0
+        if self._burst_bytes >= self.config.fusion_threshold_bytes:
+            self._start_now = True
+        if (self._start_now and not was_started) or (
+                self._burst_since is not None and not was_held
+                and self._idle_until is not None
+                and self._burst_since + self._burst_window_s < self._idle_until):
+            self._wakeup.notify()
         return request.handle
 
     def end_burst(self) -> None:

@@ -370,8 +370,10 @@ def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> N
 
 def _submit(requests: List[Request]) -> List[int]:
     runtime = _rt.get("a collective operation")
-    handles = []
     burst = _rt.in_burst()
+    if len(requests) > 1:  # a group: negotiated and fused together, queued all or none
+        return runtime.submit_group(requests, burst=burst)
+    handles = []
     try:
         for request in requests:
             handles.append(runtime.submit(request, burst=burst))
@@ -608,10 +610,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
     """Allreduce several tensors together and return the results (differentiable)."""
     tensors = list(tensors)
     if capabilities(compression).in_runtime:
-        handles = [allreduce_async_(t.detach().clone(), average, n, op, prescale_factor,
-                                    postscale_factor, compression=compression)
-                   for t, n in zip(tensors, _group_names(name, len(tensors)))]
-        return [synchronize(h) for h in handles]
+        copies = [t.detach().clone() for t in tensors]
+        requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor,
+                                       in_place=True, compression=compression)
+                    for t, n in zip(copies, _group_names(name, len(tensors)))]
+        return synchronize(_register(_submit(requests), _finish_into(copies, single=False)))
     if not tensors:
         return []
     compressed = [compression.compress(t) for t in tensors]
