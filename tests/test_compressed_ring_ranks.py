@@ -66,6 +66,63 @@ def test_ring_on_tensors_gives_the_cores_bits(tmp_path, np):
             assert checks == [True, True, True, True], (rank, case, checks)
 
 
+_CLUSTER = """
+import torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+from fusionring import state
+from fusionring.compression.cluster_codec import ClusterCodec
+from fusionring.dtypes import VALUE_CODES
+from fusionring.runtime.compressed_ring import compressed_allreduce
+
+hvd.init()
+comm = MPI.COMM_WORLD.Dup()
+rank, size = comm.Get_rank(), comm.Get_size()
+core = state.get()._core
+
+
+def exchange(send, recv):
+    comm.Sendrecv(send.numpy(), dest=(rank + 1) % size, recvbuf=recv.numpy(),
+                  source=(rank - 1) % size)
+
+
+out = {}
+segment_bytes = 64 << 10
+for count in (3, 5000, 40_003):
+    for k, sample, buckets, values in ((16, 1024, 16, torch.float32),
+                                       (5, 300, 23, torch.float16),
+                                       (64, 4096, 64, torch.bfloat16)):
+        g = torch.Generator().manual_seed(count + 11 * rank + k)
+        x = torch.randn(count, generator=g) * torch.exp(torch.randn(count, generator=g))
+        old = torch.randn(count, generator=g) * 0.1
+        for seed, step in ((0, 0), (9, 4)):
+            codec = ClusterCodec(k, sample, buckets, values, seed, step, segment_bytes // 4,
+                                 on_device=True)  # the torch kernels a GPU runs
+            mine, mine_res = x.clone(), old.clone()
+            sent = compressed_allreduce(mine, codec, exchange, rank, size, residual=mine_res,
+                                        prescale=0.5, postscale=1.0 / size)
+            ref, ref_res = x.clone(), old.clone()
+            stats = core.cluster_allreduce(ref.data_ptr(), count, k, sample, buckets,
+                                           VALUE_CODES[values], seed, step, ref_res.data_ptr(),
+                                           0.5, 1.0 / size, segment_bytes)
+            out[f"{count}:{k}:{values}:{seed}"] = [
+                torch.equal(mine, ref), torch.equal(mine_res, ref_res),
+                sent["bytes_sent"] == stats["bytes_sent"]]
+report(out)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_cluster_ring_on_tensors_gives_the_cores_bits(tmp_path, np):
+    """The cluster codec's torch kernels on the tensor ring against the core's ring: blocks
+    of 64 KiB, so chunks of several blocks, and chunks of a value or none."""
+    results = run_ranks(np, _CLUSTER, tmp_path, timeout=240)
+    for rank, out in enumerate(results):
+        for case, checks in out.items():
+            assert checks == [True, True, True], (rank, case, checks)
+
+
 _SHARED = """
 import torch
 import fusionring.torch as hvd

@@ -6,7 +6,8 @@ the core's ring, send/recv in a group are MPI's nonblocking pair, bcast and redu
 MPI's and the core's. Everything else is fusionring's own GPU path: the per-tensor decision
 and the spec that carries it, the fusion of GPU batches, NcclAllreduce's pack, scaling and
 unpack, the byte arithmetic of broadcast, allgather, alltoall and reducescatter on the GPU,
-and N:M's GPU reductions (the CUDA kernels' entry points call the CPU kernels). Each result
+N:M's GPU reductions (the CUDA kernels' entry points call the CPU kernels) and the cluster
+quantizer's (its torch kernels). Each result
 must equal the same call on host tensors (MPI's path), and the stand-in must have been used.
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ class _Event:
 
 torch.cuda.Event = _Event
 torch.cuda.current_stream = lambda *args: types.SimpleNamespace(cuda_stream=0)
-CALLS = {"allReduce": 0, "send": 0, "recv": 0, "bcast": 0, "reduceScatter": 0}
+CALLS = {"allReduce": 0, "send": 0, "recv": 0, "bcast": 0, "reduceScatter": 0,
+         "cluster_kernels": 0}
 PENDING = []
 
 
@@ -195,6 +197,27 @@ for shared in (True, False):
             hvd.allreduce(gpu(x), name=f"nm{shared}", compression=on_gpu),
             hvd.allreduce(x, name=f"hnm{shared}", compression=on_host))
 out["nm.on_gpu"] = CALLS["allReduce"] > before["allReduce"] and CALLS["send"] > before["send"]
+# The cluster quantizer on the GPU path: the compressed ring over send/recv with the torch
+# kernels, residuals kept between steps, against the host's (the core's ring and kernels).
+from fusionring.compression import cluster_kernels
+_encode = cluster_kernels.encode
+
+
+def _counted_encode(*args):
+    CALLS["cluster_kernels"] += 1
+    return _encode(*args)
+
+
+cluster_kernels.encode = _counted_encode
+on_gpu, on_host = (hvd.Compression.cluster(k=8, sample=512) for _ in range(2))
+for step in range(3):
+    xs = [torch.randn(n, generator=g) for n in (3000, 17)]
+    got = hvd.grouped_allreduce([gpu(x) for x in xs], name="cq", compression=on_gpu)
+    ref = hvd.grouped_allreduce(xs, name="hcq", compression=on_host)
+    out[f"cluster.{step}"] = all(same(a, b) for a, b in zip(got, ref))
+out["cluster.residuals"] = all(
+    torch.equal(a, b) for a, b in zip(on_gpu.memory.residuals.values(),
+                                      on_host.memory.residuals.values()))
 # A process set has a communicator (and transport) of its own.
 pair = hvd.add_process_set([0, 1])
 if rank in (0, 1):

@@ -7,14 +7,16 @@ each), then one pass that assigns every value to its nearest centre and adds it 
 cluster's buckets chosen by a hash of its index. What travels: the bucket means, the buckets
 per cluster and the mapping table of cluster ids, ceil(log2 K) bits per value. A receiver
 looks up each index's cluster, then its bucket by the same hash, and reads the mean. The
-kernels are ``csrc/cluster_quant.*``; the exact rules are written there.
+kernels are ``csrc/cluster_quant.*``; the exact rules are written there. Blocks on a GPU use
+the same rules in torch operations (``cluster_kernels.py``), so they never visit the host.
 
 Codebooks differ per rank, so payloads are not summable: inside the runtime the C++ core runs
 the compressed ring (``csrc/compressed_ring.*``, shared with N:M's per-rank masks): each
 reduce-scatter hop decodes, adds and re-encodes, keeping what re-encoding loses as this rank's
-residual, and the owners' encoded sums are allgathered. Error feedback (on by default) adds
-each rank's residual back at the next step, so everything sent plus all residuals equals the
-sum of all gradients.
+residual, and the owners' encoded sums are allgathered. CUDA tensors take the same ring on
+tensors (``runtime/compressed_ring.py``, NCCL between hops, ``cluster_codec.py``). Error
+feedback (on by default) adds each rank's residual back at the next step, so everything sent
+plus all residuals equals the sum of all gradients.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
 from .base import Compressor, Memory, register_compressor
+from .cluster_codec import ClusterCodec
 
 __all__ = ["ClusterCompressor", "cluster", "default_buckets", "bits_per_element", "MAX_K",
            "MAX_BUCKETS", "RING_SEGMENT_BYTES"]
@@ -186,14 +189,20 @@ class ClusterCompressor(Compressor):
                 self.memory.residuals.pop(key, None)
 
     # ------------------------------------------------------------------ runtime path
+    def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
+        """Floating-point CUDA tensors reduce on their GPU: the compressed ring with NCCL
+        between hops and the torch kernels of cluster_kernels.py in stream order."""
+        return tensor.is_floating_point()
+
     def communicate(self, job: ReductionContext) -> int:
         """Reduce the batch's outputs in place on the compressed ring; returns bytes sent."""
         if job.core_op != 0:
             raise ValueError(f"Compression.cluster reduces with Sum or Average only (tensor "
                              f"'{job.names[0]}')")
         outputs = job.outputs
-        views = [out if out.dtype == torch.float32 and not out.is_cuda else out.float().cpu()
-                 for out in outputs]
+        on_gpu = bool(outputs) and outputs[0].is_cuda and job.device_ring is not None
+        views = [out if out.dtype == torch.float32 and (on_gpu or not out.is_cuda)
+                 else out.float() if on_gpu else out.float().cpu() for out in outputs]
         keys = job.keys
         sizes = [x.numel() for x in views]
         with self._lock:
@@ -203,22 +212,33 @@ class ClusterCompressor(Compressor):
             offsets = np.cumsum([0] + sizes[:-1]).tolist()
             residual = None
             if self.error_feedback:
-                residual = torch.zeros(sub.numel())
+                residual = torch.zeros(sub.numel(), device=sub.device)
                 for key, offset, numel in zip(keys, offsets, sizes):
                     stored = self.memory.residuals.get(key) if key is not None else None
                     if stored is not None and stored.numel() == numel:
                         residual[offset:offset + numel].copy_(stored.reshape(-1))
             segment = max(job.ring_segment_bytes, RING_SEGMENT_BYTES)
-            out = job.core.cluster_allreduce(
-                sub.data_ptr(), sub.numel(), *self._args(), self.seed, self.position,
-                residual.data_ptr() if residual is not None else 0, job.prescale, job.postscale,
-                segment)
+            if on_gpu:  # the core's ring and blocks, NCCL between hops
+                codec = ClusterCodec(self.k, self.sample, self.buckets, self.values, self.seed,
+                                     self.position, segment // 4)
+                out = job.device_ring(sub, codec, residual, job.prescale, job.postscale)
+            else:
+                out = job.core.cluster_allreduce(
+                    sub.data_ptr(), sub.numel(), *self._args(), self.seed, self.position,
+                    residual.data_ptr() if residual is not None else 0, job.prescale,
+                    job.postscale, segment)
             if sub.data_ptr() != views[0].data_ptr():  # reduced in a copy
                 for x, offset, numel in zip(views, offsets, sizes):
                     x.copy_(sub[offset:offset + numel])
             if residual is not None:
                 for key, offset, numel in zip(keys, offsets, sizes):
-                    if key is not None:
+                    if key is None:
+                        continue
+                    stored = self.memory.residuals.get(key)
+                    if (stored is not None and stored.numel() == numel
+                            and stored.device == residual.device):
+                        stored.reshape(-1).copy_(residual[offset:offset + numel])
+                    else:
                         self.memory.update(key, residual[offset:offset + numel].clone())
             self.position += 1
             self.stats["reductions"] += 1
