@@ -52,6 +52,7 @@ EOF
 
 echo "== 3. GPU tests"
 "$python" -m pytest -q -rs tests/test_nccl.py tests/test_nm.py tests/test_compressed_ring_ranks.py \
+    tests/test_cluster_kernels.py \
     2>&1 | tee "$out/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

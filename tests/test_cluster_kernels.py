@@ -159,3 +159,20 @@ def test_gpu_kernels_agree_with_the_core(count, k, sample, buckets, values, kind
     _C.cluster_decode(want.data_ptr(), count, k, sample, buckets, VALUE_CODES[values],
                       expect.data_ptr(), False)
     assert torch.equal(out.cpu().view(torch.int32), expect.view(torch.int32))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_kernels_never_wait_for_the_host():
+    """torch's sync debug mode raises on any operation that synchronizes with the host."""
+    x = data("special", 100_000, seed=5).cuda()
+    shape = cluster_kernels.layout(x.numel(), 16, 4096, 64, torch.float16)
+    payload = torch.empty(shape.total, dtype=torch.uint8, device="cuda")
+    residual = torch.empty_like(x)
+    out = torch.zeros_like(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cluster_kernels.encode(x, 16, 4096, 64, torch.float16, 12345, payload, residual)
+        cluster_kernels.decode(payload, 16, 64, torch.float16, out, add=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, x - residual, equal_nan=True)

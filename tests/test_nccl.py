@@ -183,7 +183,8 @@ _GPU_TRAINING = textwrap.dedent("""
 
 
 @needs_gpu
-@pytest.mark.parametrize("compression", ["hvd.Compression.none", "hvd.Compression.fp16"])
+@pytest.mark.parametrize("compression", ["hvd.Compression.none", "hvd.Compression.fp16",
+                                         "hvd.Compression.cluster(k=16, sample=512)"])
 def test_a_training_step_on_the_gpu_matches_the_host(tmp_path, compression):
     runs = {}
     for device in ("cuda", "cpu"):

@@ -240,7 +240,10 @@ def encode(x: torch.Tensor, k: int, sample: int, buckets: int, values: torch.dty
     sums = torch.zeros(LANES * buckets, dtype=torch.float64, device=x.device)
     sums.index_add_(0, lane * buckets + bucket, x.double())
     total = _sequential_sum(sums.view(LANES, buckets))
-    n = torch.bincount(bucket, minlength=buckets).double()
+    # Counted with index_add_: bincount sizes its result from the input's maximum, which a
+    # GPU would have to send to the host first.
+    n = torch.zeros(buckets, dtype=torch.int64, device=x.device).index_add_(
+        0, bucket, torch.ones_like(bucket)).double()
     means = torch.where(n > 0, (total / torch.clamp(n, min=1.0)).float(),
                         torch.zeros(buckets, device=x.device))
     raw = _value_bits(means, values)
