@@ -178,3 +178,22 @@ def test_gpu_kernels_never_wait_for_the_host():
     ref = torch.empty_like(x)
     cluster_kernels.decode(payload, 16, 64, torch.float16, ref, add=False)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_compress_keeps_a_cuda_tensor_and_its_payload_on_the_gpu():
+    from fusionring.compression import Compression
+
+    on_gpu, on_host = Compression.cluster(k=8, sample=256), Compression.cluster(k=8, sample=256)
+    x = data("heavy", 10_000, seed=9).reshape(100, 100)
+    for _ in range(2):  # the second step adds the residual back
+        payload, ctx = on_gpu.compress(x.cuda(), name="w")
+        ref_payload, ref_ctx = on_host.compress(x, name="w")
+        assert payload.is_cuda and payload.numel() == ref_payload.numel()
+        out = on_gpu.decompress(payload, ctx)
+        assert out.is_cuda and out.shape == x.shape
+        torch.testing.assert_close(out.cpu(), on_host.decompress(ref_payload, ref_ctx),
+                                   rtol=1e-5, atol=1e-6)
+        total = torch.zeros(x.numel(), device="cuda")
+        on_gpu.decode_add(payload, total)
+        assert torch.equal(total.cpu().reshape(x.shape), out.cpu())

@@ -31,6 +31,7 @@ from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
 from .base import Compressor, Memory, register_compressor
+from . import cluster_kernels
 from .cluster_codec import ClusterCodec
 
 __all__ = ["ClusterCompressor", "cluster", "default_buckets", "bits_per_element", "MAX_K",
@@ -98,8 +99,8 @@ class ClusterCompressor(Compressor):
     ``Compression.cluster(k=16, sample=4096, buckets=None, values=torch.float32,
     error_feedback=True, seed=0)``. With DistributedOptimizer and hvd.allreduce it runs on the
     runtime's background thread (``in_runtime``), keyed by tensor name. On its own:
-    ``payload, ctx = c.compress(t, name=...)`` (a uint8 tensor) then ``c.decompress(payload,
-    ctx)``.
+    ``payload, ctx = c.compress(t, name=...)`` (a uint8 tensor, on the tensor's GPU for a
+    CUDA tensor) then ``c.decompress(payload, ctx)``.
     """
 
     summable = False      # per-rank codebooks
@@ -144,15 +145,22 @@ class ClusterCompressor(Compressor):
         _check_values(tensor.dtype)
         key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
         with self._lock:
-            x = tensor.detach().to("cpu", torch.float32).reshape(-1).clone()
+            # A CUDA tensor is encoded on its GPU (the torch kernels), its payload left there.
+            device = tensor.device if tensor.is_cuda else torch.device("cpu")
+            x = tensor.detach().to(device, torch.float32).reshape(-1).clone()
             if self.error_feedback:
                 self.memory.compensate_(key, x)
             count = x.numel()
-            payload = torch.empty(self.payload_bytes(count), dtype=torch.uint8)
-            residual = torch.empty(count) if self.error_feedback else None
+            payload = torch.empty(self.payload_bytes(count), dtype=torch.uint8, device=device)
+            residual = torch.empty(count, device=device) if self.error_feedback else None
             stream = _C.cluster_stream(self.seed, self.position, 0)
-            _C.cluster_encode(x.data_ptr(), count, *self._args(), stream, payload.data_ptr(),
-                              residual.data_ptr() if residual is not None else 0)
+            if x.is_cuda:
+                cluster_kernels.encode(x, self.k, self.sample, self.buckets, self.values,
+                                       stream, payload, residual)
+            else:
+                _C.cluster_encode(x.data_ptr(), count, *self._args(), stream,
+                                  payload.data_ptr(),
+                                  residual.data_ptr() if residual is not None else 0)
             if residual is not None:
                 self.memory.update(key, residual)
             self.position += 1
@@ -162,25 +170,28 @@ class ClusterCompressor(Compressor):
         """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged."""
         if ctx is None:
             return payload
-        out = torch.empty(ctx.count)
+        out = torch.empty(ctx.count, device=payload.device if payload.is_cuda else "cpu")
         self._decode(payload, out, add=False)
         return out.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
 
     def decode_add(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode `payload` (of ``out.numel()`` values) and add it into `out`, float32 on the CPU,
-        contiguous."""
-        if out.dtype != torch.float32 or out.is_cuda or not out.is_contiguous():
-            raise ValueError("Compression.cluster decode_add needs a contiguous float32 CPU tensor")
+        """Decode `payload` (of ``out.numel()`` values) and add it into `out`, a contiguous
+        float32 tensor (on a GPU, decoded there)."""
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("Compression.cluster decode_add needs a contiguous float32 tensor")
         self._decode(payload, out, add=True)
 
     def _decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool) -> None:
         count = out.numel()
-        payload = payload.detach().to("cpu").contiguous()
+        payload = payload.detach().to(out.device).contiguous()
         if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(count):
             raise ValueError(f"Compression.cluster payload must be {self.payload_bytes(count)}"
                              f" uint8 bytes for {count} values, got {payload.numel()} "
                              f"{payload.dtype}")
-        _C.cluster_decode(payload.data_ptr(), count, *self._args(), out.data_ptr(), add)
+        if out.is_cuda:
+            cluster_kernels.decode(payload, self.k, self.buckets, self.values, out, add)
+        else:
+            _C.cluster_decode(payload.data_ptr(), count, *self._args(), out.data_ptr(), add)
 
     def forget(self, keys) -> None:
         """Drop the residuals kept under `keys`."""

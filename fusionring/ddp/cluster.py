@@ -66,7 +66,7 @@ def cluster_hook(state: ClusterState, bucket: dist.GradBucket) -> torch.futures.
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        total = torch.zeros(ctx.count, dtype=torch.float32)
+        total = torch.zeros(ctx.count, dtype=torch.float32, device=payload.device)
         for part in gathered:  # rank order on every rank: the same sum everywhere
             compressor.decode_add(part, total)
         buffer.copy_(total.div_(size).view(buffer.shape))
