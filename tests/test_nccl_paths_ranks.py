@@ -6,8 +6,8 @@ the core's ring, send/recv in a group are MPI's nonblocking pair, bcast and redu
 MPI's and the core's. Everything else is fusionring's own GPU path: the per-tensor decision
 and the spec that carries it, the fusion of GPU batches, NcclAllreduce's pack, scaling and
 unpack, the byte arithmetic of broadcast, allgather, alltoall and reducescatter on the GPU,
-N:M's GPU reductions (the CUDA kernels' entry points call the CPU kernels) and the cluster
-quantizer's (its torch kernels). Each result
+N:M's GPU reductions (the CUDA kernels' entry points call the CPU kernels), the cluster
+quantizer's (its torch kernels) and Adasum's tree. Each result
 must equal the same call on host tensors (MPI's path), and the stand-in must have been used.
 """
 from __future__ import annotations
@@ -218,6 +218,18 @@ for step in range(3):
 out["cluster.residuals"] = all(
     torch.equal(a, b) for a, b in zip(on_gpu.memory.residuals.values(),
                                       on_host.memory.residuals.values()))
+# Adasum on the GPU path: the tree over send/recv (a power of two ranks only), against the
+# core's on host tensors to a few ulps (the dot products add in another order).
+if size & (size - 1) == 0:
+    before = dict(CALLS)
+    for dtype in (torch.float32, torch.float16):
+        x = (torch.randn(1001, generator=g) + torch.linspace(-1, 1, 1001)).to(dtype)
+        got = hvd.allreduce(gpu(x), op=hvd.Adasum, name=f"ad{dtype}")
+        ref = hvd.allreduce(x, op=hvd.Adasum, name=f"had{dtype}")
+        out[f"adasum.{dtype}"] = got.dtype == dtype and torch.allclose(
+            torch.Tensor.as_subclass(got, torch.Tensor).double(), ref.double(),
+            rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-6)
+    out["adasum.on_gpu"] = CALLS["send"] > before["send"]
 # A process set has a communicator (and transport) of its own.
 pair = hvd.add_process_set([0, 1])
 if rank in (0, 1):

@@ -644,7 +644,9 @@ class Runtime:
         for request in ready:
             run = self._collectives.get(request.spec.kind)
             if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
-                run = self._mpi.adasum  # per tensor: its coefficients come from its own norms
+                # per tensor: its coefficients come from its own norms
+                run = (self._gpu_collectives["adasum"] if request.tensor.is_cuda
+                       else self._mpi.adasum)
             elif run is not None and request.tensor is not None and request.tensor.is_cuda:
                 run = self._gpu_collectives[request.spec.kind]  # a CUDA tensor, over NCCL
             if run is not None:

@@ -1,5 +1,5 @@
 """The collectives other than allreduce for CUDA tensors, on their GPU over NCCL: broadcast,
-allgather, alltoall and reducescatter, one request at a time, with the semantics of the MPI
+allgather, alltoall, reducescatter and Adasum, one request at a time, with the semantics of the MPI
 ones (runtime/collectives.py) and the transport of runtime/nccl.py.
 
 Data that only moves (broadcast, allgather, alltoall) travels as bytes, so any dtype does.
@@ -13,6 +13,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from .adasum_tree import adasum_allreduce
 from .nccl import NcclTransport, ready_event
 from .requests import Request
 
@@ -38,7 +39,8 @@ class NcclCollectives:
     def by_kind(self) -> Dict[str, Callable[[List[Request]], None]]:
         """Each request kind's collective on the GPU."""
         return {"allgather": self.allgather, "broadcast": self.broadcast,
-                "alltoall": self.alltoall, "reducescatter": self.reducescatter}
+                "alltoall": self.alltoall, "reducescatter": self.reducescatter,
+                "adasum": self.adasum}
 
     def _run(self, request: Request, work: Callable[[NcclTransport], None]) -> None:
         transport = self._rt.nccl()
@@ -136,3 +138,24 @@ class NcclCollectives:
         self._run(request, work)
         request.output = received[:rows[rank]]
         self._rt.stats.bytes_sent += request.nbytes * (size - 1) // max(size, 1)
+
+    def adasum(self, requests: List[Request]) -> None:
+        """Adasum of one tensor in place (runtime/adasum_tree.py), each level's halves and
+        dot products swapped with ncclSend/ncclRecv."""
+        request = requests[0]
+        rank, size = self._rt.rank, self._rt.size
+
+        def work(t: NcclTransport) -> int:
+            return adasum_allreduce(
+                request.output.view(-1), rank, size,
+                lambda send, recv, partner: t.exchange({partner: send}, {partner: recv}),
+                request.prescale, request.postscale)
+
+        # The output is the caller's tensor or a copy made on its stream before the request's
+        # ready event: nothing new to wait for.
+        transport = self._rt.nccl()
+        event, request.ready_event = request.ready_event, None
+        sent = transport.on_stream(request.tensor.device, [event], lambda: work(transport),
+                                   describe=lambda: repr(request.name))
+        self._rt.stats.bytes_sent += sent
+        self._rt.stats.allreduce_tensors += 1

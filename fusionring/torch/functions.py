@@ -325,10 +325,10 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     # buffer) travel with the request; Horovod-style ones were applied by the caller.
     caps = capabilities(compression) if compression is not None else None
     in_runtime = caps is not None and caps.in_runtime
-    # A CUDA tensor is reduced on its GPU over NCCL, unless it goes through Adasum or a
+    # A CUDA tensor is reduced on its GPU over NCCL (Adasum too), unless it goes through a
     # compressor that keeps its work on the host: those are staged through host memory.
     on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
-                 and reduce_op != ReduceOp.Adasum
+                 and (reduce_op != ReduceOp.Adasum or tensor.is_floating_point())
                  and (not in_runtime or compression.reduces_on_gpu(tensor))
                  and reduces_on_device(tensor, pre, post, runtime.config.nccl))
     if on_device:
