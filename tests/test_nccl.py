@@ -221,6 +221,19 @@ _TWO_GPUS = textwrap.dedent("""
                 ("reducescatter", even, lambda t, n: hvd.reducescatter(t, op=hvd.Sum, name=n))):
             a, b = call(x.cuda(), kind), call(x, kind + ".host")
             same.append(a.is_cuda and torch.equal(a.cpu(), b))
+        # Adasum's tree on the GPUs: the host's to a few ulps. The cluster quantizer's ring on
+        # the GPUs: a bucket mean may differ in its last bit, which can move a value near a
+        # boundary to the next cluster, so the results are compared as a whole.
+        z = torch.randn(40001, generator=g) + torch.linspace(-1, 1, 40001)
+        a = hvd.allreduce(z.cuda(), op=hvd.Adasum, name="adasum")
+        b = hvd.allreduce(z, op=hvd.Adasum, name="adasum.host")
+        same.append(a.is_cuda and torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6))
+        on = [hvd.Compression.cluster(k=16, sample=1024) for _ in range(2)]
+        for step in range(2):
+            z = torch.randn(70001, generator=g)
+            a = hvd.allreduce(z.cuda(), name="cq", compression=on[0])
+            b = hvd.allreduce(z, name="cq.host", compression=on[1])
+            same.append(a.is_cuda and float((a.cpu() - b).norm() / b.norm()) < 1e-2)
         # A joined rank takes part in GPU batches with zeros, as on the host.
         if r == 1:
             hvd.join()
