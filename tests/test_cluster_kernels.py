@@ -103,11 +103,16 @@ def test_sample_indices_follow_the_cores_stream():
         assert torch.equal(got, want)
 
 
-def test_the_codec_encodes_a_chunk_as_the_cores_ring_does():
-    """Blocks of `segment` values from the chunk's start, each from its own stream."""
+@pytest.mark.parametrize("run_values", [1 << 24, 4096])
+def test_the_codec_encodes_a_chunk_as_the_cores_ring_does(monkeypatch, run_values):
+    """Blocks of `segment` values from the chunk's start, each from its own stream; the torch
+    kernels take runs of equal blocks as one batch (here all, or one block a batch)."""
+    from fusionring.compression import cluster_codec
+
+    monkeypatch.setattr(cluster_codec, "_RUN_VALUES", run_values)
     k, sample, buckets, values, seed, step = 16, 512, 16, torch.float16, 5, 11
     code = VALUE_CODES[values]
-    at, count, segment = 3000, 10_000, 4096
+    at, count, segment = 3000, 14_000, 4096
     x = data("heavy", count, seed=3)
     want_parts, want_res, want_dec = [], [], []
     for first in range(0, count, segment):

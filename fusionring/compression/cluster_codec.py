@@ -16,6 +16,8 @@ from .. import _C
 from ..dtypes import VALUE_CODES
 from . import cluster_kernels
 
+_RUN_VALUES = 1 << 24
+
 
 class ClusterCodec:
     """One reduction's codec: `step` is the compressor's position, `segment` the block size
@@ -49,18 +51,21 @@ class ClusterCodec:
 
     def encode(self, x: torch.Tensor, at: int, payload: torch.Tensor,
                residual: Optional[torch.Tensor]) -> None:
+        if x.is_cuda or self.on_device:
+            return self._each_run(x.numel(), lambda first, rows, length, wire, size: (
+                cluster_kernels.encode_blocks(
+                    x[first:first + rows * length].view(rows, length), self.k, self.sample,
+                    self.buckets, self.values,
+                    [_C.cluster_stream(self.seed, self.step, at + first + r * length)
+                     for r in range(rows)],
+                    payload[wire:wire + rows * size].view(rows, size),
+                    None if residual is None
+                    else residual[first:first + rows * length].view(rows, length))))
         for first, length, wire, size in self._blocks(x.numel()):
-            block = x[first:first + length]
-            out = payload[wire:wire + size]
             res = residual[first:first + length] if residual is not None else None
-            stream = _C.cluster_stream(self.seed, self.step, at + first)
-            if block.is_cuda or self.on_device:
-                cluster_kernels.encode(block, self.k, self.sample, self.buckets, self.values,
-                                       stream, out, res)
-            else:
-                _C.cluster_encode(block.data_ptr(), length, self.k, self.sample, self.buckets,
-                                  self._code, stream, out.data_ptr(),
-                                  res.data_ptr() if res is not None else 0)
+            _C.cluster_encode(x[first:].data_ptr(), length, self.k, self.sample, self.buckets,
+                              self._code, _C.cluster_stream(self.seed, self.step, at + first),
+                              payload[wire:].data_ptr(), res.data_ptr() if res is not None else 0)
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         self._decode(payload, out, add=False)
@@ -69,11 +74,24 @@ class ClusterCodec:
         self._decode(payload, out, add=True)
 
     def _decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool) -> None:
+        if out.is_cuda or self.on_device:
+            return self._each_run(out.numel(), lambda first, rows, length, wire, size: (
+                cluster_kernels.decode_blocks(
+                    payload[wire:wire + rows * size].view(rows, size), self.k, self.buckets,
+                    self.values, out[first:first + rows * length].view(rows, length), add)))
         for first, length, wire, size in self._blocks(out.numel()):
-            block = out[first:first + length]
-            image = payload[wire:wire + size]
-            if block.is_cuda or self.on_device:
-                cluster_kernels.decode(image, self.k, self.buckets, self.values, block, add)
-            else:
-                _C.cluster_decode(image.data_ptr(), length, self.k, self.sample, self.buckets,
-                                  self._code, block.data_ptr(), add)
+            _C.cluster_decode(payload[wire:].data_ptr(), length, self.k, self.sample,
+                              self.buckets, self._code, out[first:].data_ptr(), add)
+
+    def _each_run(self, count: int, work) -> None:
+        """work(first value, rows, values a row, first byte, bytes a row) over runs of equal
+        blocks: the torch kernels take a run's blocks as the rows of one batch, at most
+        _RUN_VALUES values at once (their temporaries take several bytes a value)."""
+        full, tail = divmod(count, self.segment)
+        size = self._block_bytes(self.segment)
+        per_run = max(1, _RUN_VALUES // self.segment)
+        for start in range(0, full, per_run):
+            rows = min(per_run, full - start)
+            work(start * self.segment, rows, self.segment, start * size, size)
+        if tail:
+            work(full * self.segment, 1, tail, full * size, self._block_bytes(tail))
