@@ -275,9 +275,11 @@ def test_nm_reduces_on_the_gpu_only_where_its_bookkeeping_can(monkeypatch):
         # dense stages are one sum of the values, on the GPU too
         assert NMCompressor(2, 4, shared_mask=shared,
                             schedule=[(0, (6, 6)), (5, (2, 4))]).reduces_on_gpu(cuda)
-        # the adaptive schedule's statistics are host reductions; the kernels take m | 32
-        assert not NMCompressor(2, 4, shared_mask=shared, schedule="adaptive").reduces_on_gpu(cuda)
+        # the adaptive schedule's squared sums stay on the device; the kernels take m | 32
+        assert NMCompressor(2, 4, shared_mask=shared, schedule="adaptive").reduces_on_gpu(cuda)
         assert not NMCompressor(2, 6, shared_mask=shared).reduces_on_gpu(cuda)
+        assert not NMCompressor(2, 6, shared_mask=shared,
+                                schedule="adaptive").reduces_on_gpu(cuda)
     monkeypatch.setattr(_C, "nm_cuda_built", False, raising=False)
     assert not NMCompressor(2, 4, shared_mask=False).reduces_on_gpu(cuda)
 

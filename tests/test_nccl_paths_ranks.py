@@ -197,10 +197,26 @@ for shared in (True, False):
             hvd.allreduce(gpu(x), name=f"nm{shared}", compression=on_gpu),
             hvd.allreduce(x, name=f"hnm{shared}", compression=on_host))
 out["nm.on_gpu"] = CALLS["allReduce"] > before["allReduce"] and CALLS["send"] > before["send"]
+# The adaptive schedule: its squared sums taken where the tensors lie, one copy per batch.
+from fusionring.compression.nm_schedules import AdaptiveSchedule
+for shared in (True, False):
+    on_gpu, on_host = (hvd.Compression.nm(n=1, m=4, shared_mask=shared,
+                                          schedule=AdaptiveSchedule.halving(1, 4, patience=2))
+                       for _ in range(2))
+    levels = []
+    for step in range(8):
+        x = torch.randn(5003, generator=g) * (1 + step)
+        out[f"nm.adaptive.{shared}.{step}"] = same(
+            hvd.allreduce(gpu(x), name=f"na{shared}", compression=on_gpu),
+            hvd.allreduce(x, name=f"hna{shared}", compression=on_host))
+        levels.append(on_gpu.level(f"allreduce.na{shared}"))
+        out[f"nm.adaptive.{shared}.{step}.level"] = (
+            levels[-1] == on_host.level(f"allreduce.hna{shared}"))
+    out[f"nm.adaptive.{shared}.moved"] = len(set(levels)) > 1
 # The cluster quantizer on the GPU path: the compressed ring over send/recv with the torch
 # kernels, residuals kept between steps, against the host's (the core's ring and kernels).
 from fusionring.compression import cluster_kernels
-_encode = cluster_kernels.encode
+_encode = cluster_kernels.encode_blocks
 
 
 def _counted_encode(*args):
@@ -208,7 +224,7 @@ def _counted_encode(*args):
     return _encode(*args)
 
 
-cluster_kernels.encode = _counted_encode
+cluster_kernels.encode_blocks = _counted_encode
 on_gpu, on_host = (hvd.Compression.cluster(k=8, sample=512) for _ in range(2))
 for step in range(3):
     xs = [torch.randn(n, generator=g) for n in (3000, 17)]

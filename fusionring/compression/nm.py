@@ -82,6 +82,14 @@ class _Context:
     nm: Tuple[int, int] = (0, 0)
 
 
+def _squares_where(t: torch.Tensor):
+    """Sum of squares in double: a host float for host tensors, a device scalar on a GPU
+    (read with the others in one copy by _adapt)."""
+    if t.device.type == "cpu":
+        return _squares(t)
+    return t.double().square().sum()
+
+
 @dataclasses.dataclass(eq=False)
 class _Segment:
     """One tensor of a fused shared-mask reduction."""
@@ -153,14 +161,18 @@ class NMCompressor(Compressor):
             return self._level(self._tensors.get(name) or _TensorState())
 
     def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
-        """Fixed levels reduce on the GPU with the CUDA kernels: per-rank masks on the
-        compressed ring (NCCL between hops), a shared mask (and dense stages) as one NCCL sum
-        of the kept values. The adaptive schedule keeps its statistics on the host, so its
-        batches are staged through it."""
-        if isinstance(self.schedule, AdaptiveSchedule) or not getattr(_C, "nm_cuda_built", False):
+        """Reduce on the GPU with the CUDA kernels when every level can: per-rank masks on
+        the compressed ring (NCCL between hops), a shared mask (and dense stages) as one NCCL
+        sum of the kept values. The adaptive schedule's squared sums stay on the device until
+        one copy of them all per batch."""
+        if not getattr(_C, "nm_cuda_built", False):
             return False
-        levels = ([(self.n, self.m)] if self.schedule is None
-                  else [self.schedule.initial] + [nm for _, nm in self.schedule.stages])
+        if self.schedule is None:
+            levels = [(self.n, self.m)]
+        elif isinstance(self.schedule, AdaptiveSchedule):
+            levels = list(self.schedule.levels)
+        else:
+            levels = [self.schedule.initial] + [nm for _, nm in self.schedule.stages]
         return all(n == m or 32 % m == 0 for n, m in levels)
 
     def _level(self, state: _TensorState) -> Tuple[int, int]:
@@ -317,19 +329,21 @@ class NMCompressor(Compressor):
         """The shared-mask reduction where the batch lies: on a GPU in one pass, on the host
         pipelined over a helper thread."""
         if views and views[0].is_cuda:
-            self._shared_reduce_one_pass(job, views, keys, levels, job.device_allreduce)
+            self._shared_reduce_one_pass(job, views, keys, levels, job.device_allreduce, ratios)
         else:
             self._shared_reduce(job, views, keys, levels, ratios)
 
     def _shared_reduce_one_pass(self, job: ReductionContext, views, keys, levels,
-                                allreduce: Callable[[torch.Tensor], None]) -> None:
+                                allreduce: Callable[[torch.Tensor], None],
+                                ratios: Optional[list] = None) -> None:
         """The shared-mask reduction as a GPU runs it, in stream order on any device: each
         tensor is compensated, its kept values selected by the shared mask (all of it before
         a mask exists) and packed into one payload, which `allreduce` sums in place; the sum
         is scaled and scattered back and the estimates tracked. The same steps and bits as
         _shared_reduce, without its pipeline (no host thread between GPU kernels). The
-        adaptive schedule is not taken here (its ratios are host reductions)."""
+        adaptive schedule's squared sums are taken over the pipeline's pieces, in its order."""
         prescale, postscale = job.prescale, job.postscale
+        adaptive = isinstance(self.schedule, AdaptiveSchedule) and ratios is not None
         plans, parts = [], []
         for x, key, (n, m) in zip(views, keys, levels):
             state = self._state(key)
@@ -349,6 +363,14 @@ class NMCompressor(Compressor):
                     torch.sub(x, kept.float(), out=residual)
             else:
                 kept = gather(x, mask, self.values, residual, nm=(n, m))
+            if adaptive and key is not None:
+                step = max(64 * m, PIPELINE_CHUNK_ELEMENTS // 4 // (64 * m) * 64 * m)
+                held = total = 0.0
+                for lo in range(0, numel, step):
+                    if residual is not None:
+                        held = held + _squares_where(residual[lo:lo + step])
+                    total = total + _squares_where(x[lo:lo + step])
+                ratios.append((state, held, total))
             plans.append((key, state, x, n, m, mask, residual))
             parts.append(kept)
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=self.values)
@@ -522,10 +544,10 @@ class NMCompressor(Compressor):
                 else:
                     self.memory.update(key, residual[part].clone())
             if adaptive:
-                held = (_squares(residual[part])
+                held = (_squares_where(residual[part])
                         if residual is not None else 0.0)
                 ratios.append((self._state(key), held,
-                               _squares(compensated[part])))
+                               _squares_where(compensated[part])))
         self.stats["payload_bytes"] += (
             _C.nm_kept_count(sub.numel(), n, m) * torch.empty(0, dtype=self.values).element_size()
             + 8 * _C.nm_mask_words(sub.numel()))
@@ -533,8 +555,14 @@ class NMCompressor(Compressor):
 
     def _adapt(self, job: ReductionContext, ratios) -> None:
         # One small float64 sum so every rank sees the same ratios and moves in step.
-        sums = torch.tensor([v for _, held, total in ratios for v in (held, total)],
-                            dtype=torch.float64)
+        values = [v for _, held, total in ratios for v in (held, total)]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            # Sums of tensors on a GPU: one copy of them all to the host, once the batch's
+            # kernels have run; the host path's sums were host floats already.
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(
+                next(t.device for t in values if isinstance(t, torch.Tensor)))
+                for v in values]).cpu().tolist()
+        sums = torch.tensor(values, dtype=torch.float64)
         job.core.allreduce(sums.data_ptr(), sums.numel(), 1, 0, 1.0, 1.0,
                            job.ring_segment_bytes, job.small_message_bytes)
         size = job.size
