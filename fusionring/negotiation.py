@@ -108,32 +108,41 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def _field_values(spec: TensorSpec) -> List[Tuple[str, object]]:
+def _global(rank: int, global_ranks: Optional[Sequence[int]]) -> int:
+    """A process set's rank as the global rank users know it by (messages only)."""
+    return global_ranks[rank] if global_ranks and 0 <= rank < len(global_ranks) else rank
+
+
+def _field_values(spec: TensorSpec,
+                  global_ranks: Optional[Sequence[int]] = None) -> List[Tuple[str, object]]:
     shape = list(spec.shape)
     if spec.kind in ("allgather", "alltoall"):
         shape_field = ("shape (all but the first dimension)", [*shape[1:]] if shape else [])
     else:
         shape_field = ("shape", shape)
     return [("operation", spec.kind), ("dtype", spec.dtype), ("rank of the tensor", len(shape)),
-            shape_field, ("op", spec.op), ("root rank", spec.root),
+            shape_field, ("op", spec.op), ("root rank", _global(spec.root, global_ranks)),
             ("prescale factor", spec.prescale), ("postscale factor", spec.postscale),
             ("compression", spec.compression or "none"), ("configuration", spec.detail),
             ("reduced on", "GPU (NCCL)" if spec.device else "host memory")]
 
 
 def mismatch_message(name: str, specs: Sequence[TensorSpec],
-                     ranks: Optional[Sequence[int]] = None) -> Optional[str]:
+                     ranks: Optional[Sequence[int]] = None,
+                     global_ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """Describe how ranks disagree on `name`, or None when they agree.
 
     The text names the operation, the tensor, the field and which ranks sent what, e.g.
-    "allreduce 'layer1.weight': rank 0 sent shape [17, 17], rank 2 sent [18, 18]".
+    "allreduce 'layer1.weight': rank 0 sent shape [17, 17], rank 2 sent [18, 18]". In a
+    process set (`global_ranks`: its ranks in the world), ranks and root ranks are global.
     """
     first = specs[0]
     if all(s.comparable() == first.comparable() for s in specs):
         return None
     name = _bare(name, first)
-    per_rank = [_field_values(s) for s in specs]
+    per_rank = [_field_values(s, global_ranks) for s in specs]
     ranks = list(ranks) if ranks is not None else list(range(len(specs)))
+    ranks = [_global(r, global_ranks) for r in ranks]
     for i, (field, _) in enumerate(per_rank[0]):
         by_value: Dict[str, List[int]] = {}
         for rank, values in zip(ranks, per_rank):
@@ -156,9 +165,15 @@ class _Report:
 
 
 def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
-               stall_shutdown_s: Optional[float]) -> Outcome:
-    """Rank 0's half of a full exchange: validate, pick what is ready, spot stalls."""
+               stall_shutdown_s: Optional[float],
+               global_ranks: Optional[Sequence[int]] = None) -> Outcome:
+    """Rank 0's half of a full exchange: validate, pick what is ready, spot stalls. Messages
+    name a process set's ranks by their global ranks (`global_ranks`)."""
     size = len(reports)
+
+    def shown(ranks: Sequence[int]) -> List[int]:
+        return [_global(r, global_ranks) for r in ranks]
+
     joined = {report.rank for report in reports if report.joined}
     by_name: Dict[str, Dict[int, Tuple[TensorSpec, float]]] = {}
     for report in reports:
@@ -175,7 +190,8 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
             # What a joined rank cannot take part in fails now, on the ranks that submitted
             # it, rather than after the rest submit too: their names may never match (an
             # unnamed operation's counter differs on a rank that skipped one while joined).
-            error = _join_conflict(name, next(iter(entries.values()))[0], sorted(joined))
+            error = _join_conflict(name, next(iter(entries.values()))[0], sorted(joined),
+                                   global_ranks)
             if error is not None:
                 outcome.errors[name] = error
                 continue
@@ -185,7 +201,8 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
             continue
         present = sorted(entries)
         specs = [entries[r][0] for r in present]
-        error = mismatch_message(name, specs, present) if len(present) > 1 else None
+        error = (mismatch_message(name, specs, present, global_ranks) if len(present) > 1
+                 else None)
         if error is not None:
             outcome.errors[name] = error
             continue
@@ -195,9 +212,9 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     if stalled and stall_warning_s is not None:
         late = [(n, m, a) for n, m, a in stalled if a >= stall_warning_s]
         if late:
-            lines = [f"  {display_name(n)} waiting {a:.1f} s for {_ranks_text(m)}"
+            lines = [f"  {display_name(n)} waiting {a:.1f} s for {_ranks_text(shown(m))}"
                      for n, m, a in late]
-            lines += [f"  {clash}" for clash in _operation_clashes(late, by_name)]
+            lines += [f"  {clash}" for clash in _operation_clashes(late, by_name, global_ranks)]
             outcome.stall_warning = (
                 "fusionring: some tensors were submitted by a subset of ranks and are waiting "
                 "for the rest (a rank may be stuck, or ranks run different code paths):\n"
@@ -205,21 +222,26 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
     if stalled and stall_shutdown_s is not None:
         dead = [(n, m, a) for n, m, a in stalled if a >= stall_shutdown_s]
         if dead:
-            lines = [f"{display_name(n)} (missing on {_ranks_text(m)})" for n, m, _ in dead]
+            lines = [f"{display_name(n)} (missing on {_ranks_text(shown(m))})"
+                     for n, m, _ in dead]
             outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
                              f"tensors that some ranks never submitted: " + ", ".join(lines)
-                             + "".join(f"; {clash}" for clash in _operation_clashes(dead, by_name)))
+                             + "".join(f"; {clash}"
+                                       for clash in _operation_clashes(dead, by_name,
+                                                                       global_ranks)))
     return outcome
 
 
 def _operation_clashes(stalled: Sequence[Tuple[str, List[int], float]],
-                       by_name: Mapping[str, Mapping[int, Tuple[TensorSpec, float]]]) -> List[str]:
+                       by_name: Mapping[str, Mapping[int, Tuple[TensorSpec, float]]],
+                       global_ranks: Optional[Sequence[int]] = None) -> List[str]:
     """One line per name that waiting ranks submitted as different operations (an allgather
     on one rank, an allreduce on another): each waits for the others forever."""
     kinds: Dict[str, Dict[str, List[int]]] = {}
     for name, _, _ in stalled:
         for rank, (spec, _) in by_name[name].items():
-            kinds.setdefault(_bare(name, spec), {}).setdefault(spec.kind, []).append(rank)
+            kinds.setdefault(_bare(name, spec), {}).setdefault(spec.kind, []).append(
+                _global(rank, global_ranks))
     return [f"'{bare}' is " + ", ".join(f"{kind} on {_ranks_text(sorted(ranks))}"
                                         for kind, ranks in by_kind.items())
             + ": every rank must call the same operation under a name"
@@ -230,12 +252,16 @@ def _first_dim(spec: TensorSpec) -> int:
     return spec.shape[0] if spec.shape else 1
 
 
-def _join_conflict(name: str, spec: TensorSpec, joined: Sequence[int]) -> Optional[str]:
+def _join_conflict(name: str, spec: TensorSpec, joined: Sequence[int],
+                   global_ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """Why ranks that have joined cannot take part in `name`, or None when they can."""
+    root_joined = spec.root in joined
+    joined = [_global(r, global_ranks) for r in joined]
     # Horovod's semantics: a joined rank has no rows to gather and no part in a broadcast
     # (its root may be the joined rank itself), so both raise rather than complete.
     if spec.kind in ("allgather", "broadcast"):
-        root = (f" (root rank {spec.root}{' has joined' if spec.root in joined else ''})"
+        root = (f" (root rank {_global(spec.root, global_ranks)}"
+                f"{' has joined' if root_joined else ''})"
                 if spec.kind == "broadcast" else "")
         return (f"{spec.kind} '{_bare(name, spec)}'{root} cannot run while "
                 f"{_ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} called join(): "
@@ -266,8 +292,10 @@ class Negotiator:
     """Runs the per-cycle agreement on a dedicated communicator (background thread only)."""
 
     def __init__(self, comm, stall_warning_s: Optional[float],
-                 stall_shutdown_s: Optional[float], core, cache_capacity: int = 16384) -> None:
+                 stall_shutdown_s: Optional[float], core, cache_capacity: int = 16384,
+                 global_ranks: Optional[Sequence[int]] = None) -> None:
         self._comm = comm
+        self._global_ranks = list(global_ranks) if global_ranks else None  # for messages
         # `core.band_allreduce(address, count)`: the AND of every rank's words, in place, GIL
         # released (the core's over MPI, or the shared-memory window's).
         self._core = core
@@ -435,7 +463,8 @@ class Negotiator:
             # limit): a name no other rank submits keeps every round a full exchange, and
             # would otherwise repeat the warning each cycle.
             decided = coordinate(reports, self._stall_warning_s if check_stalls else None,
-                                 self._stall_shutdown_s if check_stalls else None)
+                                 self._stall_shutdown_s if check_stalls else None,
+                                 self._global_ranks)
         decided = self._comm.bcast(decided, root=0)
         specs = {name: spec for name, spec, _ in pending}
         for item in decided.ready:

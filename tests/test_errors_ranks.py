@@ -44,6 +44,43 @@ def test_mismatches_raise_on_every_rank_with_names_and_ranks(tmp_path):
     assert results[0] == results[1] == results[2]  # one message, the same on every rank
 
 
+SET_MISMATCH = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+pair = hvd.add_process_set([1, 2])
+out = {}
+if r in (1, 2):
+    for label, fn in (
+            ("shape", lambda: hvd.allreduce(torch.zeros(r), name="w", process_set=pair)),
+            ("root", lambda: hvd.broadcast(torch.zeros(2), root_rank=r, name="b",
+                                           process_set=pair)),
+            ("stall", lambda: hvd.allreduce(torch.zeros(2), name=f"only{r}",
+                                            process_set=pair))):
+        try:
+            fn()
+            out[label] = None
+        except Exception as exc:  # noqa: BLE001
+            out[label] = str(exc)
+report(out)
+'''
+
+
+def test_process_set_errors_name_global_ranks(tmp_path):
+    """Ranks in a process set are global ranks in its messages too (set [1, 2] of 3)."""
+    # The set's runtime fails after the stall, so the ranks may not shut down cleanly.
+    results, _, output = run_ranks(3, SET_MISMATCH, tmp_path, timeout=90, expect_failure=True,
+                                   env={"FUSIONRING_STALL_SHUTDOWN_S": "3"})
+    assert None not in results, output
+    assert results[0] == {}
+    for out in results[1:]:
+        assert out["shape"] == "allreduce 'w': rank 1 sent shape [1], rank 2 sent [2]"
+        assert out["root"] == "broadcast 'b': rank 1 sent root rank 1, rank 2 sent 2"
+        assert "allreduce 'only1' (missing on rank 2)" in out["stall"], out["stall"]
+        assert "allreduce 'only2' (missing on rank 1)" in out["stall"], out["stall"]
+
+
 LOCAL_ERRORS = r'''
 import torch
 import fusionring.torch as hvd

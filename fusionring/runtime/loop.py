@@ -93,7 +93,8 @@ class Runtime:
         self._reduce_in_round = band_core is self._shm and self._shm is not None
         self._negotiator = Negotiator(self._control_comm, self.config.stall_warning_s,
                                       self.config.stall_shutdown_s, band_core,
-                                      cache_capacity=self.config.cache_capacity)
+                                      cache_capacity=self.config.cache_capacity,
+                                      global_ranks=global_ranks)
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._group_labels = itertools.count()
