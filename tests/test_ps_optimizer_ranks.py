@@ -33,11 +33,16 @@ ref_opt = make(ref.parameters())
 ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3) if {scheduled} else None
 flat = build(100)  # the same run with the lr never scheduled: the schedule must make a difference
 flat_opt = make(flat.parameters())
+import warnings
+warned = []
 for step in range(7):
     x, y = batch(k, step)
     opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
     if sched is not None:
-        sched.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched.step()
+        warned += [str(w.message) for w in caught]
     for net, o, s in ((ref, ref_opt, ref_sched), (flat, flat_opt, None)):
         grads = []
         for j in range(W):
@@ -52,7 +57,7 @@ for step in range(7):
 diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 flat_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), flat.parameters()))
 ps.shutdown()
-report({{"diff": diff, "flat_diff": flat_diff, "lr": inner.param_groups[0]["lr"]}})
+report({{"diff": diff, "flat_diff": flat_diff, "lr": inner.param_groups[0]["lr"], "warned": warned}})
 '''
 
 CASES = {
@@ -72,6 +77,7 @@ def test_bsp_server_steps_the_wrapped_optimizer_as_one_process_would(tmp_path, c
     assert results[0] == {"server": True}
     for r in results[1:]:
         assert r["diff"] < 1e-6, r
+        assert r["warned"] == [], r  # the scheduler sees its optimizer stepped (on the servers)
         if scheduled:
             # the workers' schedule reached the server: without it the parameters would be elsewhere
             assert r["flat_diff"] > 1e-3 and abs(r["lr"] - 0.2 * 0.3 ** 3) < 1e-12, r

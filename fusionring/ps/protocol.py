@@ -28,6 +28,7 @@ EPOCH = "epoch"    # the worker completed an epoch
 BYE = "bye"        # the worker shut down; the server stops waiting for it
 PARAMS = "params"  # the server's parameters (its shard) after the updates a push led to; data follows
 ERROR = "error"    # the server failed (a dead worker, a mismatched model); the message says why
+FAILED = "failed"  # a worker failed before or instead of its hello (a bad argument); the message says why
 SAVE = "save"      # worker 0's ps.save(): write this server's state to the file named
 SAVED = "saved"    # the server wrote its state
 STATE = "state"    # a worker's state_dict(): send this server's state (request and reply); data follows the reply

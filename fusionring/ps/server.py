@@ -172,6 +172,9 @@ class Server:
         values = None
         while len(hellos) < self.num_workers:
             k, header, data = self._next_message(waiting_for_hello=True)
+            if header.kind == protocol.FAILED:
+                self._fail(_ERROR_TYPES.get(header.fields.get("type"), FusionRingError)(
+                    header.fields["message"]))
             if header.kind != protocol.HELLO:
                 self._fail(FusionRingError(f"worker {k} sent {header.kind!r} before its model description"))
             hellos[k] = header.fields
@@ -404,6 +407,8 @@ class Server:
                 self._send(k, Header(protocol.STATE, {"nbytes": state.size}), state)
             elif header.kind == protocol.LOAD:
                 self._on_load(k, f)
+            elif header.kind == protocol.FAILED:
+                self._fail(_ERROR_TYPES.get(f.get("type"), FusionRingError)(f["message"]))
             else:
                 self._fail(FusionRingError(f"worker {k} sent an unexpected {header.kind!r} message"))
         self._settle_param_sends()
@@ -416,6 +421,9 @@ class Server:
             self.record["bytes_received"], self.record["bytes_sent"] = self.bytes_received, self.bytes_sent
             torch.save(self.record, f"{settings().ps_record_path}.server{self.rank}")
 
+
+# What a worker's failure message may name; anything else arrives as a FusionRingError.
+_ERROR_TYPES = {"ValueError": ValueError, "TensorMismatchError": TensorMismatchError}
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
 

@@ -172,6 +172,22 @@ def _wait_reply(job: _Job, server: int, deadline: float,
     return header, data
 
 
+def _report_failure(job: Any, error: Exception) -> None:
+    """Tell every server that this worker failed with `error`: they fail the job on every rank with its
+    message at once, instead of waiting for a hello that never comes. This process then exits with status 1."""
+    worker = job.rank - job.num_servers
+    header = Header(protocol.FAILED, {"message": f"worker {worker} (rank {job.rank}): {error}",
+                                      "type": type(error).__name__})
+    requests = [job.comm.isend(header, dest=server, tag=protocol.TAG_TO_SERVER)
+                for server in range(job.num_servers)]
+    deadline = time.monotonic() + 2.0  # let the message leave before this process exits
+    while requests and time.monotonic() < deadline:
+        requests = [r for r in requests if not r.Test()]
+        time.sleep(0.01)
+    job.closed = True
+    protocol.exit_nonzero_without_finalize()
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer for a parameter-server job: ``step()`` pushes this worker's gradient to the servers,
     waits for their reply (the sync rule may hold it back) and loads the new parameters.
@@ -187,40 +203,24 @@ class DistributedOptimizer:
                  sync: str = "adaptive", staleness: int = 3, slack: Optional[float] = None,
                  compression: Any = Compression.none, layer_selection: Any = None) -> None:
         job = _require_worker("ps.DistributedOptimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be a non-negative int, got {staleness!r}")
-        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0):
-            raise ValueError(f"slack must be a non-negative number or None, got {slack!r}")
-        payload.check_compressor(compression)
-        if named_parameters is None:
-            raise ValueError("named_parameters is required: pass model.named_parameters()")
-        named = list(named_parameters)
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"named_parameters: names {dup} appear more than once")
-        by_id = {id(p): n for n, p in named}
-        for i, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in by_id:
-                    raise ValueError(f"named_parameters: a parameter of shape {list(p.shape)} in the optimizer's "
-                                     f"param group {i} is not among the named parameters")
-        if job.optimizer is not None:
+        if job.optimizer is not None:  # this worker's job goes on with its first one
             raise ValueError("a parameter-server job has one ps.DistributedOptimizer per worker")
+        try:
+            named = self._check(optimizer, named_parameters, sync, staleness, slack, compression,
+                                layer_selection)
+            # each worker picks its own layers (no agreement, as the server decodes every push on its own);
+            # the layers it does not send wait in the selection's accumulator (error feedback)
+            if layer_selection is not None:
+                layer_selection.attach(named)
+        except ValueError as error:
+            _report_failure(job, error)  # the servers fail every rank with it, instead of waiting
+            raise
         self.optimizer = optimizer
         self.sync, self.staleness, self.slack = sync, staleness, slack
         self.compression = compression
-        # each worker picks its own layers (no agreement, as the server decodes every push on its own); the
-        # layers it does not send wait in the selection's accumulator (error feedback)
         self.layer_selection = layer_selection
-        if layer_selection is not None:
-            if not callable(getattr(layer_selection, "attach", None)):
-                raise ValueError(f"layer_selection: {layer_selection!r} is not a LayerSelection")
-            layer_selection.attach(named)
+        names = [n for n, _ in named]
+        by_id = {id(p): n for n, p in named}
         self._job = job
         self._named = named
         self._params = dict(named)
@@ -243,6 +243,36 @@ class DistributedOptimizer:
             self._send(server, Header(protocol.HELLO, fields), data)
         job.optimizer = self
         self._receive_params(first=True)
+
+    @staticmethod
+    def _check(optimizer: Any, named_parameters: Optional[Iterable], sync: Any, staleness: Any,
+               slack: Any, compression: Any, layer_selection: Any) -> List[Tuple[str, torch.Tensor]]:
+        """The arguments' ValueError, naming the argument; the named parameters when they are right."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be a non-negative int, got {staleness!r}")
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0):
+            raise ValueError(f"slack must be a non-negative number or None, got {slack!r}")
+        payload.check_compressor(compression)
+        if named_parameters is None:
+            raise ValueError("named_parameters is required: pass model.named_parameters()")
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"named_parameters: names {dup} appear more than once")
+        by_id = {id(p): n for n, p in named}
+        for i, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in by_id:
+                    raise ValueError(f"named_parameters: a parameter of shape {list(p.shape)} in the optimizer's "
+                                     f"param group {i} is not among the named parameters")
+        if layer_selection is not None and not callable(getattr(layer_selection, "attach", None)):
+            raise ValueError(f"layer_selection: {layer_selection!r} is not a LayerSelection")
+        return named
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's face
     @property
@@ -318,6 +348,9 @@ class DistributedOptimizer:
             job.stats["bytes_sent"] += nbytes
         job.stats["pushes"] += 1
         self._receive_params()
+        # The wrapped optimizer's step ran on the servers. A learning-rate scheduler on it checks that its
+        # step was called (torch's counter) and would otherwise warn that it is stepped first.
+        self.optimizer._opt_called = True
         return loss
 
     # ------------------------------------------------------------------ state
