@@ -166,9 +166,10 @@ _GPU_TRAINING = textwrap.dedent("""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 10)).to(device)
+    selection = SELECTION(model) if "SELECTION" in globals() else None
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
-                                   compression=COMPRESSION)
+                                   compression=COMPRESSION, layer_selection=selection)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     g = torch.Generator().manual_seed(2 + hvd.rank())
     for step in range(3):
@@ -189,6 +190,18 @@ def test_a_training_step_on_the_gpu_matches_the_host(tmp_path, compression):
     runs = {}
     for device in ("cuda", "cpu"):
         code = f"DEVICE = {device!r}\nimport fusionring.torch as hvd\nCOMPRESSION = {compression}\n"
+        runs[device] = run_ranks(1, code + _GPU_TRAINING, tmp_path / device, timeout=180)[0]
+    assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3, abs=1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("selection", ["hvd.LayerSelection.norm(0.5)",
+                                       "hvd.LayerSelection.hyper(model, fraction=0.5)"])
+def test_a_training_step_with_layer_selection_on_the_gpu_matches_the_host(tmp_path, selection):
+    runs = {}
+    for device in ("cuda", "cpu"):
+        code = (f"DEVICE = {device!r}\nimport fusionring.torch as hvd\n"
+                f"COMPRESSION = hvd.Compression.none\nSELECTION = lambda model: {selection}\n")
         runs[device] = run_ranks(1, code + _GPU_TRAINING, tmp_path / device, timeout=180)[0]
     assert runs["cuda"] == pytest.approx(runs["cpu"], rel=1e-3, abs=1e-4)
 

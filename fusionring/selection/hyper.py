@@ -81,7 +81,9 @@ class HyperSelector(LayerSelector):
                         owners.append(i)
             dot = torch.zeros(len(self.layers), dtype=alpha.dtype)
             if dots:
-                dot.index_add_(0, torch.tensor(owners), torch.stack(dots).to(alpha.dtype))
+                # the hypernetwork lives on the host: a GPU model's dots come over in one copy
+                dot.index_add_(0, torch.tensor(owners),
+                               torch.stack(dots).to(device=dot.device, dtype=alpha.dtype))
             # dL/dalpha = <g, W> / alpha, and dalpha/dlogit = alpha (1 - alpha): the gradient
             # at the logits is <g, W> (1 - alpha), finite where alpha underflows to 0.
             d_logits = dot * (1.0 - alpha)
