@@ -380,3 +380,43 @@ def test_a_tensor_on_another_gpu_is_refused_on_its_own_rank():
     functions._check_gpu(types.SimpleNamespace(device=torch.device("cuda", 0)), "w", runtime)
     functions._check_gpu(types.SimpleNamespace(device=torch.device("cuda", 1)), "w",
                          types.SimpleNamespace(gpu=None))  # before the first GPU collective
+
+
+_DDP_HOOKS_ON_NCCL = textwrap.dedent("""
+    import os, socket, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from fusionring.ddp import hooks
+    from fusionring.selection import LayerSelection
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    out = {}
+    for name in ("nm", "cluster", "layers"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 4)).cuda()
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.001)
+        state, hook = {
+            "nm": (hooks.NMState(None, n=2, m=4), hooks.nm_hook),
+            "cluster": (hooks.ClusterState(None, k=8, sample=256), hooks.cluster_hook),
+            "layers": (hooks.LayerSelectionState(None, selection=LayerSelection.norm(0.5),
+                                                 model=model), hooks.layer_selection_hook),
+        }[name]
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(8, 32, device="cuda")).square().mean().backward()
+            opt.step()
+        out[name] = all(p.is_cuda and bool(torch.isfinite(p).all()) for p in model.parameters())
+    dist.destroy_process_group()
+    report(out)
+""")
+
+
+@needs_gpu
+def test_ddp_hooks_run_on_an_nccl_group(tmp_path):
+    """Every fusionring hook on GPU buckets of an NCCL process group (one rank)."""
+    assert run_ranks(1, _DDP_HOOKS_ON_NCCL, tmp_path, timeout=180)[0] == {
+        "nm": True, "cluster": True, "layers": True}

@@ -193,7 +193,9 @@ class LayerSelectionState(HookState):
                 summed[name] = acc.add(name, buffer.narrow(0, offset, count).detach())
         # DDP runs hooks inside backward, where grad mode is off; the hypernetwork trains here.
         with torch.enable_grad():
-            scores = torch.tensor(selection.scores(summed), dtype=torch.float64)
+            # On the buckets' device: an NCCL group reduces GPU tensors only.
+            scores = torch.tensor(selection.scores(summed), dtype=torch.float64,
+                                  device=self._pending[0][0].device)
         if size > 1:
             dist.all_reduce(scores, group=group)   # a few hundred bytes; every rank, same sums
         chosen = selection.choose(scores.tolist())
