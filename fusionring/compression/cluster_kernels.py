@@ -127,11 +127,17 @@ def fit(x: torch.Tensor, k: int, sample: int, buckets: int, streams: torch.Tenso
     start = torch.clamp((2 * j + 1) * S.unsqueeze(1) // (2 * k), max=width_ - 1)
     picked = torch.gather(s, 1, start)
     centres = torch.where(S.unsqueeze(1) > 0, picked, torch.zeros_like(picked))
+    # Lloyd's steps, in as few operations as the step allows (each is a launch on a GPU): the
+    # runs' edges in one tensor; a run whose end falls before its start (boundaries out of
+    # order) counts as empty, as in the core.
+    first_edge = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+    last_edge = S.unsqueeze(1)
     for _ in range(LLOYD_STEPS):
-        lo, hi = _runs(s, _bounds(centres), S)
-        n = hi - lo
-        mean = ((torch.gather(prefix, 1, hi) - torch.gather(prefix, 1, lo)) / n.double()).float()
-        centres = torch.where(n > 0, mean, centres)
+        ends = torch.minimum(torch.searchsorted(s, _bounds(centres), right=True), last_edge)
+        edges = torch.cat([first_edge, ends, last_edge], 1)
+        at = torch.gather(prefix, 1, edges)
+        n = edges[:, 1:] - edges[:, :-1]
+        centres = torch.where(n > 0, ((at[:, 1:] - at[:, :-1]) / n).float(), centres)
     bounds = _bounds(centres)
     lo, hi = _runs(s, bounds, S)
     n = hi - lo
