@@ -7,12 +7,12 @@ import pytest
 
 from conftest import run_ranks
 
-_CODE = """
+# Every rank's setup: the core's communicator and the ring's one transport step over MPI.
+_RING = """
 import torch
 from mpi4py import MPI
 import fusionring.torch as hvd
 from fusionring import state
-from fusionring.compression.nm_codec import NmCodec
 from fusionring.dtypes import VALUE_CODES
 from fusionring.runtime.compressed_ring import compressed_allreduce
 
@@ -23,10 +23,13 @@ core = state.get()._core
 
 
 def exchange(send, recv):
-    # The ring's one transport step, over MPI: right gets `send`, left's bytes land in `recv`.
+    # right gets `send`, left's bytes land in `recv`
     comm.Sendrecv(send.numpy(), dest=(rank + 1) % size, recvbuf=recv.numpy(),
                   source=(rank - 1) % size)
+"""
 
+_CODE = _RING + """
+from fusionring.compression.nm_codec import NmCodec
 
 out = {}
 for count in COUNTS:
@@ -66,25 +69,8 @@ def test_ring_on_tensors_gives_the_cores_bits(tmp_path, np):
             assert checks == [True, True, True, True], (rank, case, checks)
 
 
-_CLUSTER = """
-import torch
-from mpi4py import MPI
-import fusionring.torch as hvd
-from fusionring import state
+_CLUSTER = _RING + """
 from fusionring.compression.cluster_codec import ClusterCodec
-from fusionring.dtypes import VALUE_CODES
-from fusionring.runtime.compressed_ring import compressed_allreduce
-
-hvd.init()
-comm = MPI.COMM_WORLD.Dup()
-rank, size = comm.Get_rank(), comm.Get_size()
-core = state.get()._core
-
-
-def exchange(send, recv):
-    comm.Sendrecv(send.numpy(), dest=(rank + 1) % size, recvbuf=recv.numpy(),
-                  source=(rank - 1) % size)
-
 
 out = {}
 segment_bytes = 64 << 10

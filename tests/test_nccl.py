@@ -420,3 +420,44 @@ def test_ddp_hooks_run_on_an_nccl_group(tmp_path):
     """Every fusionring hook on GPU buckets of an NCCL process group (one rank)."""
     assert run_ranks(1, _DDP_HOOKS_ON_NCCL, tmp_path, timeout=180)[0] == {
         "nm": True, "cluster": True, "layers": True}
+
+
+_PS_GPU_WORKER = textwrap.dedent("""
+    import atexit, torch
+    from mpi4py import MPI
+    from fusionring import ps
+    if MPI.COMM_WORLD.Get_rank() == 0:  # the server exits inside ps.init()
+        atexit.register(report, {"server": True})
+    ps.init(num_servers=1)
+    if True:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 2)).to(DEVICE)
+        opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=model.named_parameters(), sync="bsp",
+                                      compression=COMPRESSION)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g).to(DEVICE)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        report([p.detach().cpu().double().sum().item() for p in model.parameters()]
+               + [all(p.device.type == DEVICE for p in model.parameters())])
+    ps.shutdown()
+""")
+
+
+@needs_gpu
+@pytest.mark.parametrize("compression", ["hvd.Compression.none", "hvd.Compression.fp16",
+                                         "hvd.Compression.cluster(k=8, sample=256)"])
+def test_a_parameter_server_worker_trains_a_gpu_model(tmp_path, compression):
+    """A worker's CUDA model: gradients encoded on the host, parameters received there and
+    copied to the GPU; the same training as a CPU worker's."""
+    runs = {}
+    for device in ("cuda", "cpu"):
+        code = (f"DEVICE = {device!r}\nimport fusionring.torch as hvd\n"
+                f"COMPRESSION = {compression}\n")
+        runs[device] = run_ranks(2, code + _PS_GPU_WORKER, tmp_path / device, timeout=180)[1]
+    assert runs["cuda"][-1] is True and runs["cpu"][-1] is True
+    assert runs["cuda"][:-1] == pytest.approx(runs["cpu"][:-1], rel=1e-4, abs=1e-5)

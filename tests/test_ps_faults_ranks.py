@@ -108,37 +108,43 @@ def test_a_worker_that_finishes_early_leaves_the_bsp_round_cleanly(tmp_path):
         assert results[k]["diff"] < 1e-6, results[k]
 
 
-BAD_ARGUMENT = r'''
+ENDS_ON_AN_EXCEPTION = r'''
 import sys, torch
 from fusionring import ps
 ps.init(num_servers=1)
 k = ps.worker_rank()
 model = torch.nn.Linear(3, 1)
+bad = sys.argv[1] == "argument" and k == 1
 opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                               named_parameters=model.named_parameters(),
-                              sync="foo" if k == 1 else "bsp")
-opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
-ps.shutdown()
+                              sync="foo" if bad else "bsp")
+for step in range(100000):
+    if sys.argv[1] == "raise" and k == 1 and step == 3:
+        raise RuntimeError("boom")
+    opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
 '''
 
 
-def test_a_bad_argument_on_one_worker_fails_every_rank_at_once(tmp_path):
-    """The worker tells the server, which fails the job naming the worker and the argument,
-    instead of waiting for that worker's hello until its time limit."""
+@pytest.mark.parametrize("case,message", [
+    ("argument", "worker 1 (rank 2): sync must be one of"),
+    ("raise", "worker 1 (rank 2): RuntimeError: boom")])
+def test_a_worker_ending_on_an_exception_fails_every_rank_at_once(tmp_path, case, message):
+    """The worker tells the servers before its traceback, and they fail the job naming it,
+    instead of waiting out their time limit for a silent worker."""
     if not _hydra():
         pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the other ranks running)")
-    script = tmp_path / "bad.py"
-    script.write_text(textwrap.dedent(BAD_ARGUMENT))
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent(ENDS_ON_AN_EXCEPTION))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                FUSIONRING_PS_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
     env.pop("FUSIONRING_STALL_SHUTDOWN_S", None)
     start = time.monotonic()
     proc = subprocess.run([mpiexec_path(), "-disable-auto-cleanup", "-n", "3", sys.executable,
-                           str(script)], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=str(tmp_path))
+                           str(script), case], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=str(tmp_path))
     took, output = time.monotonic() - start, proc.stdout + proc.stderr
     assert proc.returncode != 0
-    message = "worker 1 (rank 2): sync must be one of"
-    # the worker itself, the server, and worker 0 through the server's message
-    assert output.count(message) >= 2 and "server rank 0: " + message in output, output[-3000:]
+    # the server, and worker 0 through the server's message
+    assert "server rank 0: " + message in output, output[-3000:]
+    assert output.count(message) >= 2, output[-3000:]
     assert took < 40, took

@@ -72,6 +72,25 @@ def init(num_servers: int = 1) -> None:
         from .server import serve
         serve(comm, num_servers)
         sys.exit(0)
+    _report_uncaught_exceptions()
+
+
+def _report_uncaught_exceptions() -> None:
+    """A worker whose script ends on an exception (a bad argument, a bug mid-training) tells the servers before
+    its traceback is printed, so every rank fails at once naming it; a caught exception changes nothing."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        job = _job
+        if job is not None and not job.closed and job.rank >= job.num_servers and not issubclass(
+                kind, KeyboardInterrupt):
+            try:
+                _report_failure(job, value)
+            except Exception:  # noqa: BLE001 -- the original error matters more
+                pass
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
 
 
 def is_server() -> bool:
@@ -172,11 +191,13 @@ def _wait_reply(job: _Job, server: int, deadline: float,
     return header, data
 
 
-def _report_failure(job: Any, error: Exception) -> None:
-    """Tell every server that this worker failed with `error`: they fail the job on every rank with its
-    message at once, instead of waiting for a hello that never comes. This process then exits with status 1."""
+def _report_failure(job: Any, error: BaseException) -> None:
+    """Tell every server that this worker is ending on `error`: they fail the job on every rank with its
+    message at once, instead of waiting out their time limit for a worker gone silent. This process then exits
+    with status 1 (not waiting in MPI_Finalize for peers that may be gone)."""
     worker = job.rank - job.num_servers
-    header = Header(protocol.FAILED, {"message": f"worker {worker} (rank {job.rank}): {error}",
+    text = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    header = Header(protocol.FAILED, {"message": f"worker {worker} (rank {job.rank}): {text}",
                                       "type": type(error).__name__})
     requests = [job.comm.isend(header, dest=server, tag=protocol.TAG_TO_SERVER)
                 for server in range(job.num_servers)]
@@ -205,16 +226,12 @@ class DistributedOptimizer:
         job = _require_worker("ps.DistributedOptimizer")
         if job.optimizer is not None:  # this worker's job goes on with its first one
             raise ValueError("a parameter-server job has one ps.DistributedOptimizer per worker")
-        try:
-            named = self._check(optimizer, named_parameters, sync, staleness, slack, compression,
-                                layer_selection)
-            # each worker picks its own layers (no agreement, as the server decodes every push on its own);
-            # the layers it does not send wait in the selection's accumulator (error feedback)
-            if layer_selection is not None:
-                layer_selection.attach(named)
-        except ValueError as error:
-            _report_failure(job, error)  # the servers fail every rank with it, instead of waiting
-            raise
+        named = self._check(optimizer, named_parameters, sync, staleness, slack, compression,
+                            layer_selection)
+        # each worker picks its own layers (no agreement, as the server decodes every push on its own); the
+        # layers it does not send wait in the selection's accumulator (error feedback)
+        if layer_selection is not None:
+            layer_selection.attach(named)
         self.optimizer = optimizer
         self.sync, self.staleness, self.slack = sync, staleness, slack
         self.compression = compression
@@ -304,8 +321,14 @@ class DistributedOptimizer:
         for server, shard in enumerate(self._shards):
             header, _ = _wait_reply(job, server, deadline)
             headers.append(header)
-            received = payload.recv_into(job.comm, [self._params[n].data for n in shard], server,
-                                         protocol.TAG_TO_WORKER_DATA)
+            targets = [self._params[n].data for n in shard]
+            # a GPU model's parameters arrive in host memory first, then are copied to their device
+            landing = [t if t.device.type == "cpu" else self._staging(n, t) for n, t in zip(shard, targets)]
+            received = payload.recv_into(job.comm, landing, server, protocol.TAG_TO_WORKER_DATA)
+            with torch.no_grad():
+                for target, landed in zip(targets, landing):
+                    if landed is not target:
+                        target.copy_(landed)  # before the buffer takes the next reply
             if received != header.fields["nbytes"]:
                 raise FusionRingError(f"server rank {server} sent {header.fields['nbytes']} bytes of parameters, "
                                       f"worker {job.rank - job.num_servers} received {received}")
@@ -325,6 +348,15 @@ class DistributedOptimizer:
         self._in_flight = []  # the gradients' memory may change again
         return headers
 
+    def _staging(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer (pinned where CUDA is there) that parameter `name` of a GPU model is received into."""
+        buffers = self.__dict__.setdefault("_landing", {})
+        buffer = buffers.get(name)
+        if buffer is None:
+            buffer = buffers[name] = torch.empty(like.shape, dtype=like.dtype,
+                                                 pin_memory=torch.cuda.is_available())
+        return buffer
+
     # ------------------------------------------------------------------ training
     def step(self, closure: Any = None) -> Optional[float]:
         """Push this worker's gradients, wait for the servers' reply, load the new parameters."""
@@ -338,7 +370,8 @@ class DistributedOptimizer:
         dense = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named}
         sending = self._select(dense) if self.layer_selection is not None else dense
         for server, shard in enumerate(self._shards):
-            grads = [(n, sending[n]) for n in shard if n in sending]
+            # a GPU model's gradients are encoded on the host: the servers decode them there
+            grads = [(n, sending[n].cpu()) for n in shard if n in sending]
             layout, parts = payload.encode_parts(self.compression, grads)
             nbytes = sum(p.size for p in parts)
             self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
