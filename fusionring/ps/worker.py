@@ -241,6 +241,7 @@ class DistributedOptimizer:
         self._job = job
         self._named = named
         self._params = dict(named)
+        self._landing: Dict[str, torch.Tensor] = {}  # a GPU model's parameters arrive here
         self._group_names = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         model = protocol.describe_model(named)
         nbytes = [p.numel() * p.element_size() for _, p in named]
@@ -350,11 +351,10 @@ class DistributedOptimizer:
 
     def _staging(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A host buffer (pinned where CUDA is there) that parameter `name` of a GPU model is received into."""
-        buffers = self.__dict__.setdefault("_landing", {})
-        buffer = buffers.get(name)
+        buffer = self._landing.get(name)
         if buffer is None:
-            buffer = buffers[name] = torch.empty(like.shape, dtype=like.dtype,
-                                                 pin_memory=torch.cuda.is_available())
+            buffer = self._landing[name] = torch.empty(like.shape, dtype=like.dtype,
+                                                       pin_memory=torch.cuda.is_available())
         return buffer
 
     # ------------------------------------------------------------------ training
