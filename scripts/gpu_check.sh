@@ -2,9 +2,11 @@
 # Everything a machine with a GPU should run, in one go:
 #   1. the build with the CUDA kernels (FUSIONRING_CUDA=on), in place;
 #   2. what is there: the GPU, torch, nvcc, NCCL through CuPy (hvd.nccl_built());
-#   3. the GPU tests: the kernels bit-equal to the CPU's, world-size-1 NCCL collectives, a
-#      training step with each compressor against the host, two ranks on one GPU refused,
-#      and on a machine of several GPUs the multi-rank tests;
+#   3. the GPU tests: the kernels bit-equal to the CPU's (the cluster quantizer's torch
+#      kernels to a last bit of a mean, and free of host synchronization), world-size-1 NCCL
+#      collectives, a training step with each compressor and selector against the host, the
+#      DDP hooks on an NCCL group, a parameter-server worker with a GPU model, two ranks on
+#      one GPU refused, and on a machine of several GPUs the multi-rank tests;
 #   4. examples/synthetic_benchmark.py on the GPU (one rank);
 #   5. scripts/bench_gpu.py: kernel throughput against a device copy, the allreduce on the GPU
 #      against staged through host memory, and host-device copies in a profiled training step
