@@ -216,6 +216,15 @@ class Memory:
     def update(self, name: str, residual: torch.Tensor) -> None:
         self.residuals[name] = residual.detach()
 
+    def update_from(self, name: str, values: torch.Tensor) -> None:
+        """Keep a copy of `values` (a view of a larger buffer) as `name`'s residual, written into
+        the one kept before when it has the same size and device (no allocation each step)."""
+        stored = self.residuals.get(name)
+        if stored is not None and stored.numel() == values.numel() and stored.device == values.device:
+            stored.reshape(-1).copy_(values.reshape(-1))
+        else:
+            self.residuals[name] = values.detach().clone()
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.residuals.items()}
 

@@ -243,14 +243,8 @@ class ClusterCompressor(Compressor):
                     x.copy_(sub[offset:offset + numel])
             if residual is not None:
                 for key, offset, numel in zip(keys, offsets, sizes):
-                    if key is None:
-                        continue
-                    stored = self.memory.residuals.get(key)
-                    if (stored is not None and stored.numel() == numel
-                            and stored.device == residual.device):
-                        stored.reshape(-1).copy_(residual[offset:offset + numel])
-                    else:
-                        self.memory.update(key, residual[offset:offset + numel].clone())
+                    if key is not None:
+                        self.memory.update_from(key, residual[offset:offset + numel])
             self.position += 1
             self.stats["reductions"] += 1
             self.stats["dense_bytes"] += sub.numel() * 4

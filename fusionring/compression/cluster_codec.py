@@ -37,35 +37,43 @@ class ClusterCodec:
     def _block_bytes(self, count: int) -> int:
         return _C.cluster_payload_bytes(count, self.k, self.sample, self.buckets, self._code)
 
-    def _blocks(self, count: int) -> Iterator[Tuple[int, int, int, int]]:
-        """(first value, values, first byte, bytes) of each block of a chunk of `count`."""
-        wire = 0
-        for first in range(0, count, self.segment):
-            length = min(self.segment, count - first)
-            size = self._block_bytes(length)
-            yield first, length, wire, size
-            wire += size
+    def _runs(self, count: int, rows_at_most: int) -> Iterator[Tuple[int, int, int, int, int]]:
+        """(first value, rows, values a row, first byte, bytes a row) of each run of at most
+        `rows_at_most` equal blocks of a chunk of `count`; the tail block is a run of its own."""
+        full, tail = divmod(count, self.segment)
+        size = self._block_bytes(self.segment)
+        for start in range(0, full, rows_at_most):
+            yield (start * self.segment, min(rows_at_most, full - start), self.segment,
+                   start * size, size)
+        if tail:
+            yield full * self.segment, 1, tail, full * size, self._block_bytes(tail)
+
+    def _batches(self, count: int) -> Iterator[Tuple[int, int, int, int, int]]:
+        """Runs for the torch kernels, which take a run's blocks as the rows of one batch, at
+        most _RUN_VALUES values at once (their temporaries take several bytes a value)."""
+        return self._runs(count, max(1, _RUN_VALUES // self.segment))
 
     def payload_bytes(self, count: int) -> int:
-        return sum(size for _, _, _, size in self._blocks(count))
+        return sum(rows * size for _, rows, _, _, size in self._runs(count, 1 << 62))
 
     def encode(self, x: torch.Tensor, at: int, payload: torch.Tensor,
                residual: Optional[torch.Tensor]) -> None:
         if x.is_cuda or self.on_device:
-            return self._each_run(x.numel(), lambda first, rows, length, wire, size: (
+            for first, rows, length, wire, size in self._batches(x.numel()):
+                end = first + rows * length
                 cluster_kernels.encode_blocks(
-                    x[first:first + rows * length].view(rows, length), self.k, self.sample,
-                    self.buckets, self.values,
+                    x[first:end].view(rows, length), self.k, self.sample, self.buckets,
+                    self.values,
                     [_C.cluster_stream(self.seed, self.step, at + first + r * length)
                      for r in range(rows)],
                     payload[wire:wire + rows * size].view(rows, size),
-                    None if residual is None
-                    else residual[first:first + rows * length].view(rows, length))))
-        for first, length, wire, size in self._blocks(x.numel()):
-            res = residual[first:first + length] if residual is not None else None
+                    None if residual is None else residual[first:end].view(rows, length))
+            return
+        for first, _, length, wire, _ in self._runs(x.numel(), 1):
+            res = residual[first:].data_ptr() if residual is not None else 0
             _C.cluster_encode(x[first:].data_ptr(), length, self.k, self.sample, self.buckets,
                               self._code, _C.cluster_stream(self.seed, self.step, at + first),
-                              payload[wire:].data_ptr(), res.data_ptr() if res is not None else 0)
+                              payload[wire:].data_ptr(), res)
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         self._decode(payload, out, add=False)
@@ -75,23 +83,11 @@ class ClusterCodec:
 
     def _decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool) -> None:
         if out.is_cuda or self.on_device:
-            return self._each_run(out.numel(), lambda first, rows, length, wire, size: (
+            for first, rows, length, wire, size in self._batches(out.numel()):
                 cluster_kernels.decode_blocks(
                     payload[wire:wire + rows * size].view(rows, size), self.k, self.buckets,
-                    self.values, out[first:first + rows * length].view(rows, length), add)))
-        for first, length, wire, size in self._blocks(out.numel()):
+                    self.values, out[first:first + rows * length].view(rows, length), add)
+            return
+        for first, _, length, wire, _ in self._runs(out.numel(), 1):
             _C.cluster_decode(payload[wire:].data_ptr(), length, self.k, self.sample,
                               self.buckets, self._code, out[first:].data_ptr(), add)
-
-    def _each_run(self, count: int, work) -> None:
-        """work(first value, rows, values a row, first byte, bytes a row) over runs of equal
-        blocks: the torch kernels take a run's blocks as the rows of one batch, at most
-        _RUN_VALUES values at once (their temporaries take several bytes a value)."""
-        full, tail = divmod(count, self.segment)
-        size = self._block_bytes(self.segment)
-        per_run = max(1, _RUN_VALUES // self.segment)
-        for start in range(0, full, per_run):
-            rows = min(per_run, full - start)
-            work(start * self.segment, rows, self.segment, start * size, size)
-        if tail:
-            work(full * self.segment, 1, tail, full * size, self._block_bytes(tail))

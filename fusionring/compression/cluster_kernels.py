@@ -101,13 +101,14 @@ def _bounds(centres: torch.Tensor) -> torch.Tensor:
     return (centres[:, :-1] + centres[:, 1:]) * 0.5
 
 
-def _runs(s: torch.Tensor, bounds: torch.Tensor, count: torch.Tensor):
-    """First and end position of each cluster's run of each row's sorted sample (its finite
-    part)."""
-    ends = torch.minimum(torch.searchsorted(s, bounds, right=True), count.unsqueeze(1))
-    lo = torch.cat([torch.zeros_like(ends[:, :1]), ends], 1)
-    hi = torch.maximum(torch.cat([ends, count.unsqueeze(1)], 1), lo)
-    return lo, hi
+def _edges(s: torch.Tensor, bounds: torch.Tensor, first: torch.Tensor,
+           last: torch.Tensor) -> torch.Tensor:
+    """Where each cluster's run of each row's sorted sample (its finite part, `last` values)
+    begins, and the end of the last: cluster j's run is [edges[j], edges[j + 1]), empty when
+    the end falls before the start (boundaries out of order), as in the core. `first` is a
+    column of zeros."""
+    ends = torch.minimum(torch.searchsorted(s, bounds, right=True), last)
+    return torch.cat([first, ends, last], 1)
 
 
 def _sequential_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -127,19 +128,18 @@ def fit(x: torch.Tensor, k: int, sample: int, buckets: int, streams: torch.Tenso
     start = torch.clamp((2 * j + 1) * S.unsqueeze(1) // (2 * k), max=width_ - 1)
     picked = torch.gather(s, 1, start)
     centres = torch.where(S.unsqueeze(1) > 0, picked, torch.zeros_like(picked))
-    # Lloyd's steps, in as few operations as the step allows (each is a launch on a GPU): the
-    # runs' edges in one tensor; a run whose end falls before its start (boundaries out of
-    # order) counts as empty, as in the core.
+    # Lloyd's steps, in as few operations as the step allows (each is a launch on a GPU).
     first_edge = torch.zeros(rows, 1, dtype=torch.int64, device=device)
     last_edge = S.unsqueeze(1)
     for _ in range(LLOYD_STEPS):
-        ends = torch.minimum(torch.searchsorted(s, _bounds(centres), right=True), last_edge)
-        edges = torch.cat([first_edge, ends, last_edge], 1)
+        edges = _edges(s, _bounds(centres), first_edge, last_edge)
         at = torch.gather(prefix, 1, edges)
         n = edges[:, 1:] - edges[:, :-1]
         centres = torch.where(n > 0, ((at[:, 1:] - at[:, :-1]) / n).float(), centres)
     bounds = _bounds(centres)
-    lo, hi = _runs(s, bounds, S)
+    edges = _edges(s, bounds, first_edge, last_edge)
+    lo = edges[:, :-1].contiguous()  # searched below
+    hi = torch.maximum(edges[:, 1:], lo)
     n = hi - lo
 
     # Scores: density x |centre| x entropy, each normalised by its row's maximum.

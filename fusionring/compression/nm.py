@@ -537,12 +537,7 @@ class NMCompressor(Compressor):
                 continue
             part = slice(offset, offset + numel)
             if residual is not None:
-                stored = self.memory.residuals.get(key)
-                if (stored is not None and stored.numel() == numel
-                        and stored.device == residual.device):
-                    stored.reshape(-1).copy_(residual[part])
-                else:
-                    self.memory.update(key, residual[part].clone())
+                self.memory.update_from(key, residual[part])
             if adaptive:
                 held = (_squares_where(residual[part])
                         if residual is not None else 0.0)
@@ -556,12 +551,12 @@ class NMCompressor(Compressor):
     def _adapt(self, job: ReductionContext, ratios) -> None:
         # One small float64 sum so every rank sees the same ratios and moves in step.
         values = [v for _, held, total in ratios for v in (held, total)]
-        if any(isinstance(v, torch.Tensor) for v in values):
+        on_device = [v for v in values if isinstance(v, torch.Tensor)]
+        if on_device:
             # Sums of tensors on a GPU: one copy of them all to the host, once the batch's
-            # kernels have run; the host path's sums were host floats already.
-            values = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(
-                next(t.device for t in values if isinstance(t, torch.Tensor)))
-                for v in values]).cpu().tolist()
+            # kernels have run; the host path's sums are host floats already.
+            read = iter(torch.stack(on_device).cpu().tolist())
+            values = [next(read) if isinstance(v, torch.Tensor) else v for v in values]
         sums = torch.tensor(values, dtype=torch.float64)
         job.core.allreduce(sums.data_ptr(), sums.numel(), 1, 0, 1.0, 1.0,
                            job.ring_segment_bytes, job.small_message_bytes)

@@ -35,11 +35,6 @@ def _coefficient(dot: torch.Tensor, normsq: torch.Tensor) -> torch.Tensor:
     return torch.where((normsq > 0) & torch.isfinite(c), c, torch.ones_like(c))
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    # 16-bit values widen through float32, as the core's kernel does (exact either way).
-    return t.float().double() if t.element_size() == 2 else t.double()
-
-
 def adasum_allreduce(v: torch.Tensor, rank: int, size: int, sendrecv: SendRecv,
                      prescale: float = 1.0, postscale: float = 1.0) -> int:
     """Combine contiguous 1-D floating-point `v` over `size` ranks (a power of two) in place;
@@ -76,7 +71,7 @@ def _tree(v: torch.Tensor, rank: int, size: int, sendrecv: SendRecv) -> int:
         sent += (give[1] - give[0]) * v.element_size()
         own = v[mine[0]:mine[1]]
         a, b = (own, theirs) if lower else (theirs, own)
-        wa, wb = _wide(a), _wide(b)
+        wa, wb = a.double(), b.double()  # exact, as the core's widening through float32
         # a.b, |a|^2, |b|^2 over this rank's piece, then over the ranks that tile the vector
         sums = torch.stack([torch.dot(wa, wb), torch.dot(wa, wa), torch.dot(wb, wb)])
         for k in range(d + 1):

@@ -9,7 +9,7 @@ Uneven parts (allgather's first dimensions, alltoall's splits) are point-to-poin
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -42,14 +42,16 @@ class NcclCollectives:
                 "alltoall": self.alltoall, "reducescatter": self.reducescatter,
                 "adasum": self.adasum}
 
-    def _run(self, request: Request, work: Callable[[NcclTransport], None]) -> None:
+    def _run(self, request: Request, work: Callable[[NcclTransport], Any],
+             allocated: bool = True) -> Any:
+        """`work` on the transport's stream after the request's producer; returns its result."""
         transport = self._rt.nccl()
         event, request.ready_event = request.ready_event, None
-        # The results were just allocated on the current stream, whose earlier work may still
-        # use that memory: the NCCL stream waits for it too.
-        allocated = ready_event(request.tensor)
-        transport.on_stream(request.tensor.device, [event, allocated], lambda: work(transport),
-                            describe=lambda: repr(request.name))
+        # Results just allocated on the current stream, whose earlier work may still use that
+        # memory: the NCCL stream waits for that too.
+        ready = [event, ready_event(request.tensor) if allocated else None]
+        return transport.on_stream(request.tensor.device, ready, lambda: work(transport),
+                                   describe=lambda: repr(request.name))
 
     def broadcast(self, requests: List[Request]) -> None:
         request = requests[0]
@@ -153,9 +155,5 @@ class NcclCollectives:
 
         # The output is the caller's tensor or a copy made on its stream before the request's
         # ready event: nothing new to wait for.
-        transport = self._rt.nccl()
-        event, request.ready_event = request.ready_event, None
-        sent = transport.on_stream(request.tensor.device, [event], lambda: work(transport),
-                                   describe=lambda: repr(request.name))
-        self._rt.stats.bytes_sent += sent
+        self._rt.stats.bytes_sent += self._run(request, work, allocated=False)
         self._rt.stats.allreduce_tensors += 1

@@ -579,9 +579,14 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
 @_routed
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                              name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, process_set=None) -> int:
-    """Start an in-place allreduce of several tensors; returns one handle."""
-    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True)
+                             postscale_factor: float = 1.0, process_set=None,
+                             compression=None) -> int:
+    """Start an in-place allreduce of several tensors; returns one handle.
+
+    `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
+    """
+    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True,
+                                   compression=compression)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
@@ -609,12 +614,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results (differentiable)."""
     tensors = list(tensors)
-    if capabilities(compression).in_runtime:
-        copies = [t.detach().clone() for t in tensors]
-        requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor,
-                                       in_place=True, compression=compression)
-                    for t, n in zip(copies, _group_names(name, len(tensors)))]
-        return synchronize(_register(_submit(requests), _finish_into(copies, single=False)))
+    if capabilities(compression).in_runtime:  # reduced in the runtime, as one group
+        return synchronize(grouped_allreduce_async_(
+            [t.detach().clone() for t in tensors], average, name, op, prescale_factor,
+            postscale_factor, compression=compression))
     if not tensors:
         return []
     compressed = [compression.compress(t) for t in tensors]
