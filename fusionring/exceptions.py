@@ -29,9 +29,10 @@ HorovodInternalError = FusionRingError
 class HostsUpdatedInterrupt(RuntimeError):
     """The set of hosts changed; ``run`` resets the state and calls the function again.
 
-    Under mpiexec the world is fixed, so fusionring never raises it; a script may raise it
-    itself (on every rank) to force a reset of ``fusionring.torch.elastic.run``. With
-    `skip_sync` the state is not synced again.
+    Under mpiexec the world is fixed, so no launcher reports a host change; it is raised on
+    every rank at a ``commit()`` after ``State.on_hosts_updated`` was called on rank 0, and a
+    script may raise it itself (on every rank) to force a reset of
+    ``fusionring.torch.elastic.run``. With `skip_sync` the state is not synced again.
     """
 
     def __init__(self, skip_sync: bool = False) -> None:

@@ -60,14 +60,18 @@ class ProcessSet:
         return len(self.ranks)
 
     def rank(self) -> int:
-        """This process's rank within the set, or -1 when it is not a member."""
+        """This process's rank within the set; a ValueError when it is not a member, as in
+        Horovod."""
         me = _global_runtime("ProcessSet.rank()").rank
         ranks = self.ranks
-        return ranks.index(me) if me in ranks else -1
+        if me not in ranks:
+            raise ValueError(f"Process is not part of provided process set: rank {me} is not "
+                             f"in the process set with ranks {ranks}")
+        return ranks.index(me)
 
     def included(self) -> bool:
         """Whether this process is a member."""
-        return self.rank() >= 0
+        return _global_runtime("ProcessSet.included()").rank in self.ranks
 
     def __repr__(self) -> str:
         if self._ranks is None:

@@ -85,3 +85,64 @@ def test_horovod_names_are_the_same_objects():
     assert Compression.none is NoneCompressor and Compression.fp16 is FP16Compressor
     assert isinstance(Compression.nm(1, 4), NMCompressor)
     assert Compression.nm(2, 4) is not Compression.nm(2, 4)  # a factory: state per call
+
+
+def test_a_class_with_instance_methods_is_built_where_it_is_passed():
+    class Scale(Compressor):
+        def __init__(self):
+            self.calls = 0
+
+        def compress(self, tensor):
+            self.calls += 1
+            return tensor * 2, None
+
+        def decompress(self, tensor, ctx):
+            return tensor / 2
+
+    class NeedsArgs(Scale):
+        def __init__(self, factor):
+            super().__init__()
+
+    built = base.resolve_compressor(Scale)
+    assert isinstance(built, Scale) and built.compress(torch.ones(2))[0].tolist() == [2.0, 2.0]
+    instance = Scale()
+    assert base.resolve_compressor(instance) is instance
+    # Horovod's classes with static methods are used as they are
+    assert base.resolve_compressor(Compression.none) is Compression.none
+    assert base.resolve_compressor(Compression.fp16) is Compression.fp16
+    with pytest.raises(ValueError, match=r"NeedsArgs\(\.\.\.\)"):
+        base.resolve_compressor(NeedsArgs)
+
+
+def test_only_named_compressors_are_given_the_tensor_name():
+    seen = []
+
+    class Named(Compressor):
+        named = True
+
+        def compress(self, tensor, name=None):
+            seen.append(name)
+            return tensor, None
+
+    class Plain(Compressor):
+        def compress(self, tensor):   # would fail if given name=
+            seen.append("plain")
+            return tensor, None
+
+    base.compress_named(Named(), torch.ones(1), "layer.weight")
+    base.compress_named(Plain(), torch.ones(1), "layer.weight")
+    assert seen == ["layer.weight", "plain"]
+    assert capabilities(Compression.nm(2, 4)).named and capabilities(Compression.cluster()).named
+
+
+@pytest.mark.parametrize("method", ["nm", "cluster"])
+def test_lossy_codecs_take_float64_and_refuse_integers_naming_the_tensor(method):
+    codec = Compression.nm(4, 4) if method == "nm" else Compression.cluster(k=2, sample=8)
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    payload, ctx = codec.compress(x, name="w")
+    out = codec.decompress(payload.float() if method == "nm" else payload, ctx)
+    assert out.dtype == torch.float64 and out.shape == x.shape
+    if method == "nm":   # dense 4:4 with float32 values: float32 rounding only
+        assert torch.allclose(out, x, atol=1e-7)
+    with pytest.raises(ValueError, match="tensor 'w' is int64"):
+        codec.compress(torch.arange(8), name="w")

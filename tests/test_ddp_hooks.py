@@ -107,21 +107,46 @@ def finish():
 
 
 # ---------------------------------------------------------------------- the reference
+def carry_residuals(stores, owner, key, members, sizes, zeros):
+    """The hooks' states when DDP changes its buckets: each parameter's slice of the residual
+    moves from the bucket that last held it into `key`'s (one store of residuals per rank)."""
+    total, offset = sum(sizes), 0
+    for i, count in zip(members, sizes):
+        where = owner.get(i)
+        if where is not None and where[0] != key:
+            for store in stores:
+                source = store.get(where[0])
+                if source is None:
+                    continue
+                if store.get(key) is None or len(store[key]) != total:
+                    store[key] = zeros(total)
+                store[key][offset:offset + count] += source[where[1]:where[1] + count]
+                source[where[1]:where[1] + count] = 0
+        owner[i] = (key, offset)
+        offset += count
+
+
 class RefNM:
     """numpy simulation of NMState + nm_hook over `size` ranks, per bucket."""
 
     def __init__(self, size, n, m, shared_mask, error_feedback=True):
         self.size, self.n, self.m = size, n, m
         self.shared, self.ef = shared_mask, error_feedback
-        self.buckets = {}   # (index, params) -> dict(res=[per rank], est, wait)
+        self.buckets = {}   # (index, params) -> dict(est, wait)
+        self.res = [{} for _ in range(size)]   # per rank: key -> residual
+        self.owner = {}
 
-    def reduce(self, key, inputs):
+    def reduce(self, key, inputs, sizes):
         """inputs: one flat float32 array per rank -> the averaged decoded bucket."""
         count = inputs[0].size
-        st = self.buckets.setdefault(key, dict(res=[np.zeros(count, np.float32)] * self.size,
-                                               est=None, wait=None))
-        xs = [(g + r).astype(np.float32) for g, r in zip(inputs, st["res"])] if self.ef else \
-            [g.astype(np.float32) for g in inputs]
+        st = self.buckets.setdefault(key, dict(est=None, wait=None))
+        if self.ef:
+            carry_residuals(self.res, self.owner, key, key[1], sizes,
+                            lambda total: np.zeros(total, np.float32))
+            res = [store.get(key, np.zeros(count, np.float32)) for store in self.res]
+            xs = [(g + r).astype(np.float32) for g, r in zip(inputs, res)]
+        else:
+            xs = [g.astype(np.float32) for g in inputs]
         half = [torch.from_numpy(x).half().float().numpy() for x in xs]
         if self.shared:
             if st["est"] is None or self.n == self.m:
@@ -133,7 +158,8 @@ class RefNM:
         else:
             keeps = [ref_keep(x, self.n, self.m) for x in xs]
         sent = [np.where(k, h, 0).astype(np.float32) for k, h in zip(keeps, half)]
-        st["res"] = [(x - s).astype(np.float32) for x, s in zip(xs, sent)]
+        for store, x, s in zip(self.res, xs, sent):
+            store[key] = (x - s).astype(np.float32)
         avg = (np.sum(sent, axis=0, dtype=np.float32) / np.float32(self.size)).astype(np.float32)
         if self.shared:
             if st["est"] is None or self.n == self.m:
@@ -161,7 +187,8 @@ def reference_params(size, steps, layouts, n, m, shared_mask, joined_after=None)
         for index, members in layouts[step]:
             inputs = [np.concatenate([grads[r][i].reshape(-1) for i in members])
                       for r in range(size)]
-            avg = ref.reduce((index, tuple(members)), inputs)
+            avg = ref.reduce((index, tuple(members)), inputs,
+                             [grads[0][i].size for i in members])
             at = 0
             for i in members:
                 numel = weights[i].numel()
@@ -246,65 +273,76 @@ finish()
     assert_same_params(last["params"], want)
 
 
-@pytest.mark.parametrize("values", ["float32", "float16"])
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-mask", "per-rank-masks"])
-def test_error_feedback_identity_holds_on_real_gradients(tmp_path, shared, values):
-    """sum over ranks of (gradient + old residual) = P * delivered average + sum of new residuals.
+@pytest.mark.parametrize("hook,kwargs", [
+    ("nm", dict(n=1, m=4, shared_mask=True, values="float32")),
+    ("nm", dict(n=1, m=4, shared_mask=False, values="float32")),
+    ("nm", dict(n=1, m=4, shared_mask=True, values="float16")),
+    ("cluster", dict(k=4, sample=64)),
+], ids=["nm-shared", "nm-per-rank", "nm-shared-float16", "cluster"])
+def test_error_feedback_loses_nothing_over_a_run_with_rebuilt_buckets(tmp_path, hook, kwargs):
+    """Per parameter, over the whole run: sum over ranks and steps of the gradients = P * the
+    delivered averages + the residuals left on every rank. DDP rebuilds its buckets after the
+    first step, so this holds only if what a bucket of the old layout held back reaches the
+    new ones.
 
     Exact up to float32 sums with float32 values; float16 values are summed in float16 on the
-    wire (as by torch's fp16 hook), which rounds the sum once more: within 2^-10 of it."""
+    wire (as by torch's fp16 hook), which rounds each step's sum once more: within 2^-10 of it."""
     code = RANK_PRELUDE + r'''
-shared = {shared!r}
-values = {values!r}
+hook, kwargs = {hook!r}, {kwargs!r}
 torch.manual_seed(1)
 net = torch.nn.Sequential(torch.nn.Linear(20, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
+names = {{id(p): name for name, p in net.named_parameters()}}
+sizes = {{name: p.numel() for name, p in net.named_parameters()}}
+sent = {{name: torch.zeros(c, dtype=torch.float64) for name, c in sizes.items()}}
+delivered = {{name: torch.zeros(c, dtype=torch.float64) for name, c in sizes.items()}}
+layouts = {{}}   # bucket key -> [(parameter name, count)]
 ddp = DDP(net, bucket_cap_mb=0.001)
-state = hooks.NMState(n=1, m=4, shared_mask=shared, values=values)
-steps = []
+state = hooks.NMState(**kwargs) if hook == "nm" else hooks.ClusterState(**kwargs)
+inner = hooks.nm_hook if hook == "nm" else hooks.cluster_hook
+
+def add(sums, flat, members):
+    at = 0
+    for name, count in members:
+        sums[name] += flat[at:at + count].double()
+        at += count
 
 def probe(state, bucket):
-    key = hooks.bucket_key(bucket)
-    old = state.compressor.memory.residuals.get(key)
-    grad = bucket.buffer().detach().clone().reshape(-1)
-    fut = hooks.nm_hook(state, bucket)
+    members = [(names[id(p)], p.numel()) for p in bucket.parameters()]
+    layouts[hooks.bucket_key(bucket)] = members
+    add(sent, bucket.buffer().detach().reshape(-1), members)
 
     def after(f):
         out = f.value()
-        new = state.compressor.memory.residuals[key]
-        steps.append(dict(key=key, grad=grad.tolist(), out=out.reshape(-1).tolist(),
-                          old=None if old is None else old.reshape(-1).tolist(),
-                          new=new.reshape(-1).tolist()))
+        add(delivered, out.reshape(-1), members)
         return out
-    return fut.then(after)
+    return inner(state, bucket).then(after)
 
 ddp.register_comm_hook(state, probe)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(rank)
-for step in range(4):
+for step in range(5):
     opt.zero_grad()
-    x = torch.randn(8, 20, generator=g)
-    ddp(x).square().mean().backward()
+    ddp(torch.randn(8, 20, generator=g)).square().mean().backward()
     opt.step()
-report(steps)
+left = {{name: torch.zeros(c, dtype=torch.float64) for name, c in sizes.items()}}
+for key, residual in state.compressor.memory.residuals.items():
+    add(left, residual.reshape(-1), layouts[key])
+as_lists = lambda sums: {{name: v.tolist() for name, v in sums.items()}}
+report(dict(sent=as_lists(sent), delivered=as_lists(delivered), left=as_lists(left),
+            layouts=len(layouts)))
 finish()
-'''.format(shared=shared, values=values)
+'''.format(hook=hook, kwargs=kwargs)
     results = run_ranks(3, code, tmp_path)
-    records = list(zip(*results))
-    assert len(records) >= 4
-    nontrivial = 0
-    for per_rank in records:
-        assert len({r["key"] for r in per_rank}) == 1
-        count = len(per_rank[0]["grad"])
-        lhs = sum(np.array(r["grad"]) + (np.array(r["old"]) if r["old"] else 0.0) for r in per_rank)
-        rhs = 3 * np.array(per_rank[0]["out"]) + sum(np.array(r["new"]) for r in per_rank)
-        if values == "float32":
-            np.testing.assert_allclose(lhs, rhs, rtol=1e-5, atol=1e-7)
-        else:
-            np.testing.assert_allclose(lhs, rhs, rtol=0, atol=2.0 ** -10 * np.abs(lhs).max())
-        for r in per_rank[1:]:
-            assert r["out"] == per_rank[0]["out"]   # every rank decodes the same average
-        nontrivial += int(np.abs(np.array(per_rank[0]["new"])).sum() > 0) * (count > 0)
-    assert nontrivial >= 2   # residuals really were held back
+    assert results[0]["layouts"] >= 2   # DDP's first bucket and the rebuilt ones
+    for name in results[0]["sent"]:
+        lhs = sum(np.array(r["sent"][name]) for r in results)
+        rhs = 3 * np.array(results[0]["delivered"][name]) + sum(np.array(r["left"][name])
+                                                                for r in results)
+        atol = 1e-6 if kwargs.get("values") != "float16" else 5 * 2.0 ** -10 * np.abs(lhs).max()
+        np.testing.assert_allclose(lhs, rhs, rtol=1e-5, atol=atol)
+        assert np.abs(sum(np.array(r["left"][name]) for r in results)).sum() > 0
+        for r in results[1:]:   # every rank decoded the same averages
+            np.testing.assert_array_equal(r["delivered"][name], results[0]["delivered"][name])
 
 
 def test_state_round_trip_continues_bit_identically(tmp_path):
@@ -473,10 +511,14 @@ def cluster_reference_params(size, steps, layouts, k, sample, ef):
     model = Parallel()
     weights = [p.detach().clone() for p in model.parameters()]
     coders = [ClusterCompressor(k, sample, error_feedback=ef) for _ in range(size)]
+    owner = {}
     for step in range(steps):
         grads = [local_grads(r, step) for r in range(size)]
         for index, members in layouts[step]:
             key = f"{index}:{members}"
+            if ef:
+                carry_residuals([c.memory.residuals for c in coders], owner, key, members,
+                                [grads[0][i].size for i in members], torch.zeros)
             total = torch.zeros(sum(grads[0][i].size for i in members))
             for r in range(size):
                 x = torch.from_numpy(np.concatenate([grads[r][i].reshape(-1) for i in members]))
@@ -842,3 +884,75 @@ def test_layer_selection_state_refuses_bad_arguments():
     state = hooks.LayerSelectionState(selection="round_robin", model=model)
     assert repr(state) == "LayerSelectionState(round_robin, fraction=0.25)"
     assert state.selection.k == 1
+
+
+def test_hooks_reduce_float64_models(tmp_path):
+    """A float64 model: N:M and the cluster quantizer encode its buckets (as float32 values),
+    and layer selection with every layer chosen sums in float64, as plain DDP does."""
+    code = RANK_PRELUDE + r'''
+from fusionring.selection import LayerSelection
+
+def train(make_state=None, hook=None):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 3)).double()
+    ddp = DDP(net)
+    if make_state is not None:
+        ddp.register_comm_hook(make_state(net), hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(6, 10, generator=g, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+plain = train()
+nm = train(lambda net: hooks.NMState(n=4, m=4, values=torch.float32), hooks.nm_hook)
+cluster = train(lambda net: hooks.ClusterState(k=4, sample=64), hooks.cluster_hook)
+layers = train(lambda net: hooks.LayerSelectionState(selection=LayerSelection.norm(1.0),
+                                                     model=net), hooks.layer_selection_hook)
+report(dict(nm=(nm - plain).abs().max().item(), layers=(layers - plain).abs().max().item(),
+            cluster_finite=bool(torch.isfinite(cluster).all()), cluster=cluster.tolist(),
+            dtype=str(nm.dtype)))
+finish()
+'''
+    results = run_ranks(2, code, tmp_path)
+    for res in results:
+        assert res["dtype"] == "torch.float64"
+        assert res["nm"] < 1e-6          # dense N:M with float32 values: float32 rounding only
+        assert res["layers"] == 0.0      # every layer chosen, summed in float64
+        assert res["cluster_finite"]
+    assert results[0]["cluster"] == results[1]["cluster"]
+
+
+def test_bad_flags_and_selector_arguments_are_refused_when_built_naming_them():
+    from fusionring.ddp import hooks
+    from fusionring.selection import LayerSelection
+
+    cases = [
+        (lambda: hooks.NMState(shared_mask="no"), "shared_mask='no'"),
+        (lambda: hooks.NMState(error_feedback="no"), "error_feedback='no'"),
+        (lambda: hooks.ClusterState(error_feedback="no"), "error_feedback='no'"),
+        (lambda: hooks.NMState(schedule=[(0, (5, 4))]), r"schedule stage \(0, \(5, 4\)\)"),
+        (lambda: LayerSelection.hyper(None, lr=-1), "lr=-1"),
+        (lambda: LayerSelection.norm(0.5, k=2), "exactly one of fraction= or k="),
+        (lambda: LayerSelection.norm(), "exactly one of fraction= or k="),
+        (lambda: LayerSelection.round_robin(k=0), "k=0"),
+        (lambda: LayerSelection.norm(0.5, max_wait=0), "max_wait=0"),
+    ]
+    for build, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build()
+    assert hooks.NMState(shared_mask=0, error_feedback=1).config()["shared_mask"] is False
+
+
+def test_random_selection_keeps_its_seed_in_the_state():
+    from fusionring.ddp import hooks
+    from fusionring.selection import LayerSelection
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    state = hooks.LayerSelectionState(selection=LayerSelection.random(0.5, seed=7), model=model)
+    assert state.config()["selection"]["seed"] == 7
+    again = hooks.LayerSelectionState.from_state_dict(state.state_dict(), model=model)
+    assert again.selection.seed == 7

@@ -23,15 +23,20 @@ attributes, read by :func:`capabilities`; nothing is guessed from which methods 
     tensor (the payload of a concatenation is the concatenation of the payloads).
 ``identity``
     compress() hands the tensor back unchanged (nothing to trace or decode).
+``named``
+    compress() takes the tensor's name as a keyword, ``compress(tensor, name=...)``, so a
+    stateful compressor keeps its state (residuals, masks) per tensor rather than per shape.
 
 Plain classes with static compress/decompress (Horovod's user compressors) declare nothing
-and get the defaults. A method is registered under a name (``register_compressor``) and
+and get the defaults. A class whose compress() is an instance method is instantiated with no
+arguments where it is passed as ``compression=`` (:func:`resolve_compressor`). A method is registered under a name (``register_compressor``) and
 reached as ``Compression.<name>``.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, ClassVar, Dict, Optional, Tuple, TypeVar
 
 import torch
@@ -53,6 +58,7 @@ class Compressor:
     stateful: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
     identity: ClassVar[bool] = False
+    named: ClassVar[bool] = False
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> Tuple[Any, Any]:
@@ -101,10 +107,11 @@ class Capabilities:
     stateful: bool
     elementwise: bool
     identity: bool
+    named: bool
 
 
 _DEFAULT = Capabilities(name="", summable=None, in_runtime=False, reduces_into=False,
-                        stateful=False, elementwise=False, identity=False)
+                        stateful=False, elementwise=False, identity=False, named=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +122,7 @@ def _declared(cls: type) -> Capabilities:
     return Capabilities(name=name, summable=cls.summable,
                         in_runtime=bool(cls.in_runtime), reduces_into=bool(cls.reduces_into),
                         stateful=bool(cls.stateful), elementwise=bool(cls.elementwise),
-                        identity=bool(cls.identity))
+                        identity=bool(cls.identity), named=bool(cls.named))
 
 
 def capabilities(compressor: Any) -> Capabilities:
@@ -128,6 +135,31 @@ def capabilities(compressor: Any) -> Capabilities:
         if own and own != declared.name:
             return dataclasses.replace(declared, name=own)
     return declared
+
+
+def resolve_compressor(compression: Any) -> Any:
+    """`compression` as it is called: a class whose compress() is an instance method (a
+    Compressor subclass written with ``def compress(self, tensor)``, reached as
+    ``Compression.<name>``) becomes an instance built with no arguments; anything else (an
+    instance, a class with static methods as Horovod's) is returned as it is."""
+    if not isinstance(compression, type):
+        return compression
+    raw = inspect.getattr_static(compression, "compress", None)
+    if raw is None or isinstance(raw, (staticmethod, classmethod)):
+        return compression
+    try:
+        return compression()
+    except TypeError as exc:
+        raise ValueError(f"compression={compression.__name__}: its compress() needs an "
+                         f"instance, and the class cannot be built without arguments ({exc}); "
+                         f"pass an instance, {compression.__name__}(...)") from None
+
+
+def compress_named(compression: Any, tensor: torch.Tensor, name: Optional[str]) -> Tuple[Any, Any]:
+    """``compression.compress(tensor)``, given ``name=`` when the compressor declares `named`."""
+    if name is not None and capabilities(compression).named:
+        return compression.compress(tensor, name=name)
+    return compression.compress(tensor)
 
 
 def describe(compressor: Any) -> str:
@@ -194,6 +226,25 @@ class Compression(metaclass=_CompressionNames):
     ``Compression.nm(2, 4)``)."""
 
 
+def check_flag(method: str, argument: str, value: Any) -> bool:
+    """`value` as a bool; ValueError naming the argument unless it is True/False (or 0/1):
+    a string such as "no" would otherwise read as True."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if type(value).__name__ == "bool_":  # numpy's
+        return bool(value)
+    raise ValueError(f"{method}: {argument}={value!r} must be True or False")
+
+
+def check_floating(method: str, tensor: torch.Tensor, name: Optional[str]) -> None:
+    """ValueError naming the tensor unless it is real floating point: a lossy codec's
+    compress() encodes float32 (float64, float16 and bfloat16 tensors are converted)."""
+    if not tensor.is_floating_point():
+        what = f"tensor '{name}'" if name is not None else "a tensor"
+        raise ValueError(f"{method} compresses floating-point tensors; {what} is "
+                         f"{str(tensor.dtype).replace('torch.', '')}")
+
+
 class Memory:
     """Keeps what a compressor dropped (the residual) and adds it back next time."""
 
@@ -232,5 +283,6 @@ class Memory:
         self.residuals = {k: v.clone() for k, v in state.items()}
 
 
-__all__ = ["Capabilities", "Compression", "Compressor", "Memory", "capabilities", "describe",
-           "lookup_compressor", "register_compressor", "registered_compressors"]
+__all__ = ["Capabilities", "Compression", "Compressor", "Memory", "capabilities", "check_flag",
+           "check_floating", "compress_named", "describe", "lookup_compressor",
+           "register_compressor", "registered_compressors", "resolve_compressor"]

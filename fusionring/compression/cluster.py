@@ -30,7 +30,7 @@ import torch
 from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
-from .base import Compressor, Memory, register_compressor
+from .base import Compressor, Memory, check_flag, check_floating, register_compressor
 from . import cluster_kernels
 from .cluster_codec import ClusterCodec
 
@@ -106,6 +106,7 @@ class ClusterCompressor(Compressor):
     summable = False      # per-rank codebooks
     in_runtime = True
     stateful = True       # residuals and the sampling stream's position
+    named = True          # residuals kept per tensor name
 
     def __init__(self, k: int = 16, sample: int = 4096, buckets: Optional[int] = None,
                  values: torch.dtype = torch.float32, error_feedback: bool = True,
@@ -115,7 +116,7 @@ class ClusterCompressor(Compressor):
         self.buckets = (default_buckets(self.k) if buckets is None
                         else _check_int("buckets", buckets, self.k, MAX_BUCKETS))
         self.values = _check_values(values)
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = check_flag("Compression.cluster", "error_feedback", error_feedback)
         self.seed = _check_int("seed", seed, 0, 2 ** 64 - 1)
         self.position = 0  # reductions so far: the sampling stream's step
         self.memory = Memory()
@@ -142,7 +143,7 @@ class ClusterCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
         """Encode `tensor` as one block -> (uint8 payload, ctx). The residual is kept per
         `name`; without one per shape and dtype, so name distinct tensors."""
-        _check_values(tensor.dtype)
+        check_floating("Compression.cluster", tensor, name)
         key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
         with self._lock:
             # A CUDA tensor is encoded on its GPU (the torch kernels), its payload left there.

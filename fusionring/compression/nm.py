@@ -38,7 +38,7 @@ from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
 from ..timeline import phase_recorder
-from .base import Compressor, Memory, register_compressor
+from .base import Compressor, Memory, check_flag, check_floating, register_compressor
 # The kernels and schedules keep their names here too (``fusionring.compression.nm.gather``).
 from .nm_kernels import (MAX_M, _squares, bits_per_element, check_nm, check_values,
                          compress_values, cuda_kernels, gather, mask_to_bool, scatter,
@@ -119,6 +119,7 @@ class NMCompressor(Compressor):
     summable = None       # shared mask: the kept values; per-rank masks: (values, mask words)
     in_runtime = True
     stateful = True       # residuals, mask estimates, schedule positions
+    named = True          # ... kept per tensor name
 
     def __init__(self, n: int = 2, m: int = 4, values: torch.dtype = torch.float32,
                  shared_mask: bool = True, error_feedback: bool = True,
@@ -126,8 +127,8 @@ class NMCompressor(Compressor):
                  ) -> None:
         self.n, self.m = check_nm(n, m)
         self.values = check_values(values)
-        self.shared_mask = bool(shared_mask)
-        self.error_feedback = bool(error_feedback)
+        self.shared_mask = check_flag("Compression.nm", "shared_mask", shared_mask)
+        self.error_feedback = check_flag("Compression.nm", "error_feedback", error_feedback)
         if schedule is None or isinstance(schedule, (StepSchedule, AdaptiveSchedule)):
             self.schedule = schedule
         elif schedule == "adaptive":
@@ -191,7 +192,7 @@ class NMCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
         """Encode `tensor` -> (payload, ctx). State (residual, mask estimate, step) is kept per
         `name`; without one it is kept per shape and dtype, so name distinct tensors."""
-        check_values(tensor.dtype)
+        check_floating("Compression.nm", tensor, name)
         key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
         with self._lock:
             state = self._state(key)

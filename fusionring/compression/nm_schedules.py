@@ -25,7 +25,10 @@ class StepSchedule:
                 raise ValueError(f"schedule stage {stage!r} must be (step, (n, m))") from None
             if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
                 raise ValueError(f"schedule step {start!r} must be a non-negative int")
-            parsed.append((int(start), check_nm(n, m)))
+            try:
+                parsed.append((int(start), check_nm(n, m)))
+            except ValueError as exc:
+                raise ValueError(f"schedule stage {stage!r}: {exc}") from None
         if not parsed:
             raise ValueError("a schedule needs at least one (step, (n, m)) stage")
         starts = [s for s, _ in parsed]

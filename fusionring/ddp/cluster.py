@@ -46,6 +46,10 @@ class ClusterState(HookState):
     def keys(self):
         return list(self.compressor.memory.residuals)
 
+    def residual_store(self):
+        compressor = self.compressor
+        return (compressor.memory.residuals, compressor._lock) if compressor.error_feedback else None
+
     def forget(self, keys) -> None:
         self.compressor.forget(keys)
 

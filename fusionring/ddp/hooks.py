@@ -90,6 +90,10 @@ class NMState(HookState):
     def keys(self):
         return list(self.codec_state()["tensors"])
 
+    def residual_store(self):
+        compressor = self.compressor
+        return (compressor.memory.residuals, compressor._lock) if compressor.error_feedback else None
+
     def forget(self, keys) -> None:
         # In place: the step's other buckets may be decoding on gloo's threads right now.
         self.compressor.forget(keys)

@@ -43,6 +43,8 @@ def _describe(selector: LayerSelector) -> Dict[str, Any]:
     if isinstance(selector, HyperSelector):
         description.update(ema=selector.ema, hidden=selector.hidden, lr=selector.lr,
                            seed=selector.seed, accumulate=selector.accumulate)
+    if isinstance(selector, RandomSelector):
+        description["seed"] = selector.seed
     return description
 
 
@@ -54,7 +56,7 @@ def _build(description: Dict[str, Any]) -> LayerSelector:
         return HyperSelector(None, args.pop("fraction"), args.pop("k"), warmup_steps=warmup_steps,
                              **args)
     if kind == "random":
-        return RandomSelector(args["fraction"], args["k"], 0, args["max_wait"],
+        return RandomSelector(args["fraction"], args["k"], args.get("seed", 0), args["max_wait"],
                               warmup_steps=warmup_steps)
     return _KINDS[kind](args["fraction"], args["k"], args["max_wait"], warmup_steps=warmup_steps)
 
@@ -206,7 +208,10 @@ class LayerSelectionState(HookState):
         pending, self._pending = self._pending, []
 
         if sent:
-            flat = torch.cat([summed[n].reshape(-1).to(torch.float32) for n in sent])
+            # float32 sums for 16-bit layers; a float64 model's layers are summed in float64.
+            wide = torch.float64 if any(summed[n].dtype == torch.float64 for n in sent) \
+                else torch.float32
+            flat = torch.cat([summed[n].reshape(-1).to(wide) for n in sent])
             future = dist.all_reduce(flat, group=group, async_op=True).get_future()
         else:
             flat = torch.zeros(0)

@@ -8,7 +8,7 @@ this base class makes the whole state picklable (``torch.save(state)``) and give
 ``state_dict()`` of plain types that ``torch.load(..., weights_only=True)`` reads back.
 """
 import zlib
-from typing import Any, Dict, Optional, Set
+from typing import Any, ContextManager, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ def bucket_key(bucket: dist.GradBucket) -> str:
     of someone else's residual. The key is the same in every process that builds the same
     model with the same bucket sizes, so saved state finds its buckets again after a restart.
     (A new DDP model reduces its first step in one bucket of every parameter, sent dense; the
-    restored buckets' state takes effect from the second step, when DDP's buckets are back.)
+    restored buckets' state takes effect from the second step, when DDP's buckets are back, and
+    what the first step held back is carried into them then: see ``_carry_residuals``.)
     """
     shapes = ";".join(",".join(map(str, p.shape)) for p in bucket.parameters())
     return f"{bucket.index()}:{bucket.buffer().numel()}:{zlib.crc32(shapes.encode()):08x}"
@@ -40,6 +41,9 @@ class HookState:
         self.process_group = process_group
         self._seen: Set[str] = set()     # keys used in this step so far
         self._idle: Dict[str, int] = {}  # key -> steps ended since it was last used
+        # id(parameter) -> (key, offset, count): where that parameter's share of the
+        # error-feedback residual was last kept (see `_carry_residuals`).
+        self._owner: Dict[int, Tuple[str, int, int]] = {}
 
     # ---------------------------------------------------------------- per step
     def group(self) -> dist.ProcessGroup:
@@ -49,7 +53,46 @@ class HookState:
         """The key of `bucket`'s state (:func:`bucket_key`), noted as used in this step."""
         key = bucket_key(bucket)
         self._seen.add(key)
+        self._carry_residuals(bucket, key)
         return key
+
+    def _carry_residuals(self, bucket: dist.GradBucket, key: str) -> None:
+        """Move into `key`'s residual what its parameters had left in other buckets' residuals.
+
+        A residual is kept per bucket, and DDP rebuilds its buckets after the first step (and a
+        resumed run's first step is one bucket of every parameter): without this, what such a
+        bucket held back would wait under a key no bucket uses again and be dropped. Each
+        parameter's slice is added at its place in this bucket and zeroed where it was, so it
+        is delivered once, a step later at most."""
+        held = self.residual_store()
+        if held is None:
+            return
+        residuals, lock = held
+        moves: List[Tuple[Tuple[str, int, int], int]] = []
+        offset = 0
+        for p in bucket.parameters():
+            count = p.numel()
+            where = self._owner.get(id(p))
+            if where is not None and where[0] != key:
+                moves.append((where, offset))
+            self._owner[id(p)] = (key, offset, count)
+            offset += count
+        total = bucket.buffer().numel()
+        if not moves or offset != total:  # a layout that is not the parameters back to back
+            return
+        with lock:
+            target = residuals.get(key)
+            for (source_key, start, count), at in moves:
+                source = residuals.get(source_key)
+                if source is None or source.numel() < start + count:
+                    continue
+                if target is None or target.numel() != total:
+                    target = residuals[key] = torch.zeros(total, dtype=torch.float32,
+                                                          device=source.device)
+                source = source.reshape(-1)
+                target.reshape(-1)[at:at + count].add_(source[start:start + count]
+                                                       .to(target.device, target.dtype))
+                source[start:start + count].zero_()
 
     def end_of_step(self, bucket: dist.GradBucket) -> None:
         """Called by a hook once it has used `bucket`. After the step's last bucket (DDP hands
@@ -85,6 +128,11 @@ class HookState:
         """The bucket keys that hold state."""
         raise NotImplementedError
 
+    def residual_store(self) -> Optional[Tuple[Dict[str, torch.Tensor], ContextManager]]:
+        """The codec's residuals by bucket key (flat float32 tensors) and the lock that guards
+        them, or None when the codec keeps none."""
+        return None
+
     def forget(self, keys) -> None:
         raise NotImplementedError
 
@@ -101,6 +149,7 @@ class HookState:
                              f"{self.config()}")
         self.load_codec_state(state["codec"])
         self._seen, self._idle = set(), {key: 0 for key in self.keys()}
+        self._owner = {}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any],

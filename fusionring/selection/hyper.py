@@ -36,6 +36,8 @@ class HyperSelector(LayerSelector):
             raise ValueError(f"layer_selection: ema={ema} must lie in [0, 1)")
         if int(hidden) < 1:
             raise ValueError(f"layer_selection: hidden={hidden} must be >= 1")
+        if not float(lr) > 0.0:
+            raise ValueError(f"layer_selection: lr={lr} must be > 0")
         self.ema, self.hidden, self.lr, self.seed = float(ema), int(hidden), float(lr), int(seed)
         self.accumulate = bool(accumulate)
         super().__init__(fraction, k, max_wait, model, warmup_steps)

@@ -12,7 +12,8 @@ class RandomSelector(LayerSelector):
     def __init__(self, fraction: Optional[float] = None, k: Optional[int] = None, seed: int = 0,
                  max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None,
                  warmup_steps: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
         super().__init__(fraction, k, max_wait, model, warmup_steps)
 
     def scores(self, summed: Dict[str, torch.Tensor]) -> List[float]:

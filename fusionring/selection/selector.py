@@ -9,6 +9,14 @@ import torch
 from .base import Accumulator, how_many, layers_of, top_k
 
 
+def _count(value) -> int:
+    """`value` as an int, or -1 when it is no integer (a bool, a float, a string)."""
+    try:
+        return -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return -1
+
+
 class LayerSelector:
     """Chooses k whole layers per step; subclasses say how a layer is scored.
 
@@ -25,12 +33,18 @@ class LayerSelector:
     def __init__(self, fraction: Optional[float] = None, k: Optional[int] = None,
                  max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None,
                  warmup_steps: int = 0) -> None:
+        # Everything that does not depend on the model is checked here, when it is built.
+        if (fraction is None) == (k is None):
+            raise ValueError(f"layer_selection: give exactly one of fraction= or k= (got "
+                             f"fraction={fraction!r}, k={k!r})")
         if fraction is not None and not 0.0 < float(fraction) <= 1.0:
             raise ValueError(f"layer_selection: fraction={fraction} must lie in (0, 1]")
-        try:
-            steps = -1 if isinstance(warmup_steps, bool) else operator.index(warmup_steps)
-        except TypeError:
-            steps = -1
+        if k is not None and _count(k) < 1:
+            raise ValueError(f"layer_selection: k={k!r} must be an integer >= 1")
+        if max_wait is not None and _count(max_wait) < 1:
+            raise ValueError(f"layer_selection: max_wait={max_wait!r} must be an integer >= 1 "
+                             f"or None")
+        steps = _count(warmup_steps)
         if steps < 0:
             raise ValueError(f"layer_selection: warmup_steps={warmup_steps!r} must be an integer >= 0")
         self.fraction, self.k_arg, self.max_wait = fraction, k, max_wait

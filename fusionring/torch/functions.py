@@ -9,19 +9,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import io
 import itertools
 import numbers
 import pickle
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+import cloudpickle
 import torch
 
 from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using(), init, shutdown
 from ..dtypes import check_dtype, complex_result, dtype_name, real_view
-from ..compression import Compression, capabilities, describe
+from ..compression import Compression, capabilities, describe, resolve_compressor
+from ..compression.base import compress_named
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..runtime import Request
 from ..runtime.nccl import (DEVICE, moves_on_device, nccl_version, reduces_on_device,
@@ -236,12 +237,17 @@ def poll(handle: int) -> bool:
 
 
 def synchronize(handle: int):
-    """Wait for an asynchronous operation and return its result (raises on failure)."""
+    """Wait for an asynchronous operation and return its result (raises on failure).
+
+    As in Horovod, a handle that is not pending (already synchronized, or never returned by
+    an asynchronous operation) returns None.
+    """
     _rt.get("synchronize()")
-    operation = _lookup(handle)
+    with _handles_lock:  # taken out at once: of two threads synchronizing it, one waits
+        operation = _operations.pop(handle, None) if isinstance(handle, int) else None
+    if operation is None:
+        return None
     runtime = operation.runtime
-    with _handles_lock:
-        _operations.pop(handle, None)
     requests, error = [], None
     for h in operation.handles:  # wait for all, even after a failure, to release them
         try:
@@ -314,6 +320,21 @@ def _shares_memory(host: torch.Tensor, tensor: torch.Tensor) -> bool:
     return host.device == tensor.device and host.data_ptr() == tensor.data_ptr()
 
 
+# One instance per compressor class given as ``compression=`` (see _compressor).
+_built_compressors: Dict[type, Any] = {}
+
+
+def _compressor(compression: Any) -> Any:
+    """`compression` ready to call: a class with instance methods is built once per process
+    (``resolve_compressor``), so a stateful one keeps its state from call to call."""
+    if not isinstance(compression, type):
+        return compression
+    built = _built_compressors.get(compression)
+    if built is None:
+        built = _built_compressors[compression] = resolve_compressor(compression)
+    return built
+
+
 def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
                        prescale_factor: float, postscale_factor: float,
                        in_place: bool, compression=None) -> Request:
@@ -323,6 +344,7 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
     # buffer) travel with the request; Horovod-style ones were applied by the caller.
+    compression = _compressor(compression) if compression is not None else None
     caps = capabilities(compression) if compression is not None else None
     in_runtime = caps is not None and caps.in_runtime
     # A CUDA tensor is reduced on its GPU over NCCL (Adasum too), unless it goes through a
@@ -473,13 +495,14 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     for the wire (Compression.fp16 sends float16).
     """
     reduce_op = resolve_op(op, average)
+    compression = _compressor(compression)
     if capabilities(compression).in_runtime:  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
                                             prescale_factor=prescale_factor,
                                             postscale_factor=postscale_factor,
                                             compression=compression))
     started = time.perf_counter()
-    tensor_compressed, ctx = compression.compress(tensor)
+    tensor_compressed, ctx = compress_named(compression, tensor, name)
     trace_compression(compression, name, "compress", started)
     check_summable(compression, tensor_compressed, name)
     if isinstance(tensor_compressed, torch.Tensor):
@@ -614,6 +637,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: Optio
                       postscale_factor: float = 1.0, process_set=None) -> List[torch.Tensor]:
     """Allreduce several tensors together and return the results (differentiable)."""
     tensors = list(tensors)
+    compression = _compressor(compression)
     if capabilities(compression).in_runtime:  # reduced in the runtime, as one group
         return synchronize(grouped_allreduce_async_(
             [t.detach().clone() for t in tensors], average, name, op, prescale_factor,
@@ -984,6 +1008,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     op: Average (default), Sum, Min, Max or Product (gradients for Sum and Average).
     """
     reduce_op = resolve_op(op)
+    compression = _compressor(compression)
     payload, ctx = _wire_form(compression, tensor, "reducescatter")
     reduced = _ReducescatterFunction.apply(payload, name, reduce_op, prescale_factor,
                                            postscale_factor)
@@ -1000,6 +1025,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     if not tensors:
         return []
     reduce_op = resolve_op(op)
+    compression = _compressor(compression)
     encoded = [_wire_form(compression, t, "grouped_reducescatter") for t in tensors]
     reduced = _GroupedReducescatterFunction.apply(name, reduce_op, prescale_factor,
                                                   postscale_factor, *[e[0] for e in encoded])
@@ -1101,17 +1127,39 @@ def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
         synchronize(h)
 
 
+def _sparse_embedding_params(model: Optional[torch.nn.Module]) -> Set[int]:
+    """ids of the parameters of `model`'s sparse embeddings (those whose gradients are sparse)."""
+    if model is None:
+        return set()
+    return {id(p) for m in model.modules()
+            if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None,
                               process_set=None) -> None:
     """Make every rank's (or every `process_set` member's) optimizer state and
-    hyper-parameters equal to root's."""
+    hyper-parameters equal to root's.
+
+    `model` (as in Horovod) marks the parameters of sparse ``nn.Embedding`` modules: a fresh
+    optimizer's zero gradients on them are sparse tensors (on every parameter for
+    ``SparseAdam``), so that the gradients of the next backward accumulate as sparse ones.
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"broadcast_optimizer_state(): model must be a torch.nn.Module, not "
+                        f"{type(model).__name__} (the third argument is Horovod's model; "
+                        f"pass a process set as process_set=...)")
     if not optimizer.state:  # a fresh optimizer (no step taken yet)
         # As in Horovod, whose broadcast starts a fresh optimizer's state with a step on
         # zero gradients: afterwards every trainable parameter has a (zero) gradient.
+        inner = getattr(optimizer, "_optimizer", optimizer)  # under a DistributedOptimizer
+        sparse_everywhere = isinstance(inner, torch.optim.SparseAdam)
+        sparse = _sparse_embedding_params(model) if isinstance(inner, torch.optim.SGD) else set()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    grad = torch.zeros_like(p)
+                    p.grad = grad.to_sparse() if sparse_everywhere or id(p) in sparse else grad
     state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
                              name="optimizer_state", process_set=process_set)
     if rank() != root_rank:
@@ -1119,52 +1167,89 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    # cloudpickle, as Horovod: lambdas, closures and classes defined in a script travel by
+    # value; tensors inside pickle through torch's own reducers.
+    data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _from_bytes(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    return cloudpickle.loads(data.numpy().tobytes())
+
+
+def _failure_note(what: str, obj: Any, exc: BaseException) -> torch.Tensor:
+    """The message the other ranks raise when this rank cannot pickle `obj`, as bytes."""
+    message = (f"{what}: rank {_global_rank()} could not pickle its object of type "
+               f"'{type(obj).__name__}': {type(exc).__name__}: {exc}")[:4000]
+    return torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8)
 
 
 @_routed
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=None) -> Any:
-    """Pickle `obj` on root and return it on every rank.
+    """Pickle `obj` on root (with cloudpickle) and return it on every rank.
 
     Without a `name`, calls are numbered in order on each rank (not named after the type as
     in Horovod: a non-root rank may pass None, whose type differs from the root's object).
+    If root cannot pickle `obj`, it raises that error and every other rank raises a
+    ``RuntimeError`` naming root and the object's type.
     """
     base = name or f"object{AUTO_NAME_MARK}{next(_object_broadcasts)}"
     is_root = _global_rank() == root_rank
-    payload = _to_bytes(obj) if is_root else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    length = broadcast_(length, root_rank, name=f"{base}.size")
+    failure: Optional[BaseException] = None
+    payload = torch.empty(0, dtype=torch.uint8)
+    if is_root:
+        try:
+            payload = _to_bytes(obj)
+        except Exception as exc:  # noqa: BLE001 - whatever pickling an arbitrary object raises
+            failure = exc
+            payload = _failure_note("broadcast_object", obj, exc)
+    # A negative size says the data is root's failure message rather than the object: every
+    # rank still runs the same two broadcasts, so none is left waiting and names stay aligned.
+    size_ = payload.numel() if failure is None else -payload.numel()
+    length = broadcast_(torch.tensor([size_], dtype=torch.int64), root_rank, name=f"{base}.size")
+    size_ = int(length.item())
     if not is_root:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        payload = torch.empty(abs(size_), dtype=torch.uint8)
     payload = broadcast_(payload, root_rank, name=f"{base}.data")
+    if failure is not None:
+        raise failure
+    if size_ < 0:
+        raise RuntimeError(payload.numpy().tobytes().decode(errors="replace"))
     return obj if is_root else _from_bytes(payload)
 
 
 @_routed
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
-    """Pickle `obj` on every rank and return the list of all ranks' objects.
+    """Pickle `obj` on every rank (with cloudpickle) and return the list of all ranks' objects.
 
     Without a `name`, the name is the object's type name, as in Horovod: the same on every
     rank whatever each has run before (a counter would differ on a rank that skipped an
-    unnamed operation, for example while it had joined).
+    unnamed operation, for example while it had joined). A rank that cannot pickle its
+    object raises that error, and the others a ``RuntimeError`` naming it.
     """
     base = name or f"object.{type(obj).__name__}"
-    payload = _to_bytes(obj)
-    sizes = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
+    failure: Optional[BaseException] = None
+    try:
+        payload = _to_bytes(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling an arbitrary object raises
+        failure = exc
+        payload = _failure_note("allgather_object", obj, exc)
+    # As in broadcast_object: a negative size marks a failure message, and both gathers run.
+    size_ = payload.numel() if failure is None else -payload.numel()
+    sizes = synchronize(allgather_async(torch.tensor([size_], dtype=torch.int64),
                                         name=f"{base}.sizes"))
     gathered = synchronize(allgather_async(payload, name=f"{base}.data"))
-    out, offset = [], 0
+    parts, offset = [], 0
     for n in sizes.tolist():
-        out.append(_from_bytes(gathered[offset:offset + n]))
-        offset += n
-    return out
+        parts.append((n, gathered[offset:offset + abs(n)]))
+        offset += abs(n)
+    if failure is not None:
+        raise failure
+    failed = [part.numpy().tobytes().decode(errors="replace") for n, part in parts if n < 0]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return [_from_bytes(part) for _, part in parts]
 
 
 # ---------------------------------------------------------------------- barrier

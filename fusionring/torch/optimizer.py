@@ -18,7 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using()
-from ..compression import Compression, capabilities
+from ..compression import Compression, capabilities, describe, resolve_compressor
+from ..compression.base import compress_named
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
 from ..process_sets import is_added, runtime_for
@@ -122,10 +123,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  compression=Compression.none, backward_passes_per_step: int = 1,
                  op=ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0,
                  groups: Union[None, int, Sequence[Sequence[torch.Tensor]]] = None,
-                 grouping_plan=None, sparse_as_dense: bool = False, num_groups: int = 0,
-                 process_set=None, gradient_buffer: Optional[bool] = None,
-                 layer_selection=None) -> None:
+                 sparse_as_dense: bool = False, process_set=None, grouping_plan=None,
+                 gradient_buffer: Optional[bool] = None, layer_selection=None) -> None:
         # As in Horovod, a rank outside `process_set` (a registered set) trains on its own:
         # its optimizer reduces nothing and steps on the local gradients.
         self._outside_set = (process_set is not None and is_added(process_set)
@@ -156,12 +157,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._optimizer = optimizer
+        compression = resolve_compressor(compression)
         self._compression = compression
         self._caps = capabilities(compression)  # what the compressor declared it can do
         self._op = op
         # Adasum combines updates, not gradients: each parameter takes its local step as soon
         # as its gradient is ready, and the step (the delta) is what ranks combine.
         self._adasum = op == ReduceOp.Adasum
+        if self._adasum and self._caps.in_runtime:
+            raise ValueError(f"op=Adasum cannot be combined with {describe(compression)} "
+                             f"compression, which reduces with Sum or Average only")
         self._starting_models: Dict[torch.Tensor, torch.Tensor] = {}
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -227,13 +232,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bounds = [round(i * len(params) / groups) for i in range(groups + 1)]
             return [[full(p) for p in params[a:b]] for a, b in zip(bounds, bounds[1:]) if b > a]
         if groups is not None:
+            # As Horovod: a listed parameter without a gradient to reduce (frozen, or not in
+            # the optimizer) is left out of its group.
             known = set(self._requires_update)
             out = []
             for group in groups:
-                missing = [p for p in group if p not in known]
-                if missing:
-                    raise ValueError("groups lists a parameter the optimizer does not update")
-                out.append([full(p) for p in group])
+                if not isinstance(group, (list, tuple)) or not all(
+                        isinstance(p, torch.Tensor) for p in group):
+                    raise ValueError("groups must be a positive int or a list of parameter lists")
+                members = [full(p) for p in group if p in known]
+                if members:
+                    out.append(members)
             return out
         source = grouping_plan if grouping_plan is not None else settings().grouping_plan_path
         if source is None:
@@ -425,7 +434,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._caps.identity:
             started = time.perf_counter()
             if unit.wire is None or not self._caps.reduces_into:
-                unit.wire, unit.ctx = self._compression.compress(unit.flat)
+                unit.wire, unit.ctx = compress_named(self._compression, unit.flat, unit.name)
                 F.check_summable(self._compression, unit.wire, unit.name)
             elif unit.wire is not unit.flat:
                 with torch.no_grad():
@@ -511,7 +520,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 and not grad.is_sparse):
             with torch.no_grad():
                 return wire, into(grad, wire)
-        compressed, ctx = self._compression.compress(grad)
+        compressed, ctx = compress_named(self._compression, grad, self._tensor_name(p))
         if (into is not None and isinstance(compressed, torch.Tensor)
                 and compressed.data_ptr() != grad.data_ptr()):
             self._wire_buffers[p] = compressed
@@ -535,7 +544,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = params
         with torch.no_grad():
             p.sub_(start)
-        compressed, ctx = self._compression.compress(p.data)
+        compressed, ctx = compress_named(self._compression, p.data, self._tensor_name(p))
         handle = F.allreduce_async_(compressed, name=self._tensor_name(p), op=ReduceOp.Adasum)
         return handle, ctx
 
@@ -702,6 +711,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict) -> None:
+        # As Horovod: the step starts afresh, so a checkpoint loaded between two accumulated
+        # backward passes does not count the one before it. Reductions in flight are waited
+        # for (the other ranks started them too) and their results dropped.
+        for handle, ctx in list(self._handles.values()):
+            pending = ctx.handle if isinstance(ctx, _Unit) else handle
+            if pending is not None:
+                try:
+                    F.synchronize(pending)
+                except Exception:  # noqa: BLE001 - its result is dropped either way
+                    pass
+        self._handles.clear()
+        for unit in self._unit_list:
+            unit.reset()
+        self._reset_delays()
+        self._synchronized = False
+        self._should_synchronize = True
         state_dict = dict(state_dict)
         extra = state_dict.pop("fusionring", None)
         self._optimizer.load_state_dict(state_dict)

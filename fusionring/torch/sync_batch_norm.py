@@ -1,15 +1,12 @@
 """SyncBatchNorm: batch normalization with statistics over the global batch of all ranks."""
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functions as F
 
-_instances = itertools.count()
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
@@ -89,14 +86,20 @@ class SyncBatchNorm(_BatchNorm):
 
     In training, mean and variance come from every rank's batch: one allgather of each rank's
     per-channel count, mean and squared deviations in the forward pass, and one allreduce of the two
-    per-channel sums the input's gradient needs in the backward pass. Modules must be created
-    in the same order on every rank (their allreduce names derive from that order).
+    per-channel sums the input's gradient needs in the backward pass. In eval mode the running
+    statistics are used, locally; without them (``track_running_stats=False``) the batch's
+    statistics are global in eval mode too, as in Horovod.
+
+    The collectives are named after the number of channels only, as Horovod names them
+    without counting modules: a rank may build SyncBatchNorm modules the others do not (a
+    model copy for evaluation) as long as every rank runs the same layers in the same order.
+    Each layer's collective completes before the next layer's starts, so layers with the
+    same number of channels never have the same name in flight.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
                  affine: bool = True, track_running_stats: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
-        self._sync_name = f"sync_batch_norm.{next(_instances)}"
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -104,13 +107,15 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training or F.size() == 1:
+        if (not self.training and self.track_running_stats) or F.size() == 1:
             return super().forward(input)
         channels = input.shape[1]
+        # Per channel count: one name per spec, so the negotiation's cache keeps hitting.
+        name = f"sync_batch_norm.{channels}"
         dims = [0] + list(range(2, input.dim()))
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         with torch.no_grad():
-            mean, var, n = _global_mean_var(x, dims, channels, self._sync_name)
+            mean, var, n = _global_mean_var(x, dims, channels, name)
             if self.track_running_stats:
                 self.num_batches_tracked += 1
                 momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
@@ -121,6 +126,5 @@ class SyncBatchNorm(_BatchNorm):
         weight, bias = self.weight, self.bias
         if weight is not None and weight.dtype != x.dtype:  # a half-precision module
             weight, bias = weight.to(x.dtype), bias.to(x.dtype)
-        out = _GlobalBatchNorm.apply(x, weight, bias, mean, var, self.eps, float(n),
-                                     self._sync_name)
+        out = _GlobalBatchNorm.apply(x, weight, bias, mean, var, self.eps, float(n), name)
         return out.to(input.dtype)

@@ -1,0 +1,129 @@
+"""DistributedOptimizer where Horovod scripts lean on its details: its positional arguments,
+groups listing frozen parameters, load_state_dict between accumulated backward passes, and
+compressors given as classes or keeping state per tensor. References are single-process
+computations on the global batch."""
+from conftest import run_ranks
+
+OPTIMIZER = r'''
+import inspect
+import torch
+import fusionring.torch as hvd
+from fusionring.compression import Compressor
+
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+
+def data(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+def reference(steps, frozen=()):
+    """Single process: SGD on the average of every rank's gradient."""
+    net = model()
+    for i in frozen:
+        list(net.parameters())[i].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        for rank in range(P):
+            x, y = data(step, rank)
+            ((net(x) - y).square().mean() / P).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+def train(opt, net, steps):
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = data(step, r)
+        (net(x) - y).square().mean().backward()
+        opt.step()
+    return max((p.detach() - q).abs().max().item()
+               for p, q in zip(net.parameters(), reference(steps, frozen)))
+
+# Horovod's parameter order: ..., gradient_predivide_factor, num_groups, groups,
+# sparse_as_dense, process_set
+names = list(inspect.signature(hvd.DistributedOptimizer).parameters)
+out["order"] = names[:10]
+
+# groups listing a frozen parameter: left out of its group, as Horovod does
+frozen = (0,)
+net = model()
+net[0].weight.requires_grad_(False)
+opt = hvd.DistributedOptimizer(torch.optim.SGD([p for p in net.parameters() if p.requires_grad],
+                                               lr=0.1),
+                               named_parameters=net.named_parameters(),
+                               groups=[list(net[0].parameters()), list(net[2].parameters())])
+out["frozen_groups"] = train(opt, net, 3)
+
+# load_state_dict after one of two accumulated backward passes starts the step afresh
+frozen = ()
+net = model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                               named_parameters=net.named_parameters(),
+                               backward_passes_per_step=2)
+saved = opt.state_dict()
+x, y = data(0, r)
+(net(x) - y).square().mean().backward()
+opt.load_state_dict(saved)
+opt.zero_grad()
+try:
+    for half in range(2):
+        x, y = data(0, r)
+        ((net(x) - y).square().mean() / 2).backward()
+    opt.step()
+    out["reload"] = max((p.detach() - q).abs().max().item()
+                        for p, q in zip(net.parameters(), reference(1)))
+except AssertionError as exc:
+    out["reload"] = str(exc)
+
+# a Compressor class with instance methods, as Compression.<name> returns it; it is told
+# each tensor's name because it declares `named`
+class Halves(Compressor):
+    named = True
+    summable = True
+
+    def __init__(self):
+        self.names = set()
+
+    def compress(self, tensor, name=None):
+        self.names.add(name)
+        return tensor / 2, None
+
+    def decompress(self, tensor, ctx):
+        return tensor * 2
+
+net = model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                               named_parameters=net.named_parameters(), compression=Halves)
+out["class_compressor"] = train(opt, net, 2)
+out["names_seen"] = sorted(opt._compression.names)
+
+# Adasum combines updates; the in-runtime codecs reduce with Sum or Average only
+for make in (lambda: hvd.Compression.nm(2, 4), lambda: hvd.Compression.cluster()):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1),
+                                 compression=make(), op=hvd.Adasum)
+        out.setdefault("adasum", []).append(None)
+    except ValueError as exc:
+        out.setdefault("adasum", []).append(str(exc))
+report(out)
+'''
+
+
+def test_distributed_optimizer_follows_horovod_details(tmp_path):
+    for out in run_ranks(2, OPTIMIZER, tmp_path, timeout=120):
+        assert out["order"] == ["optimizer", "named_parameters", "compression",
+                                "backward_passes_per_step", "op", "gradient_predivide_factor",
+                                "num_groups", "groups", "sparse_as_dense", "process_set"]
+        assert out["frozen_groups"] < 1e-6
+        assert isinstance(out["reload"], float) and out["reload"] < 1e-6, out["reload"]
+        assert out["class_compressor"] < 1e-6
+        assert out["names_seen"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert len(out["adasum"]) == 2
+        for message in out["adasum"]:
+            assert message is not None and "op=Adasum cannot be combined" in message
