@@ -13,8 +13,9 @@ are honoured too, so a Horovod job's environment keeps its meaning; where both a
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 _PREFIX = "FUSIONRING_"
 
@@ -55,7 +56,39 @@ def _read(name: str, default, cast):
 
 def _optional_seconds(raw: str) -> Optional[float]:
     value = float(raw)
+    if math.isnan(value):
+        raise ValueError(f"expected a number of seconds, got {raw!r}")
     return value if value > 0 else None
+
+
+def _milliseconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number of milliseconds, got {raw!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a finite number of milliseconds >= 0, got {raw!r}")
+    return value
+
+
+def _factor(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a finite number > 0, got {raw!r}")
+    return value
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    """A reader of whole numbers >= `least` (byte sizes the core needs to be positive)."""
+    def read(raw: str) -> int:
+        value = _count(raw)
+        if value < least:
+            raise ValueError(f"expected a whole number of {least} or more, got {raw!r}")
+        return value
+    return read
 
 
 def _flag(raw: str) -> bool:
@@ -96,7 +129,7 @@ class Settings:
     # is reduced where it lies instead of being copied into the fusion buffer and back.
     gradient_buffer: bool = True
     timeline_path: Optional[str] = None
-    timeline_mark_cycles: bool = True  # a marker per control-loop cycle in that timeline
+    timeline_mark_cycles: bool = False  # a marker per control-loop cycle (Horovod's default: off)
     stall_warning_s: Optional[float] = 60.0
     stall_shutdown_s: Optional[float] = None
     grouping_plan_path: Optional[str] = None
@@ -139,12 +172,13 @@ class Settings:
     # allreduce); beyond it the least recently ready name is dropped and, if used again,
     # negotiated again in full. 0: cache nothing.
     cache_capacity: int = 16384
-    # Parameter server: how long a server waits on a silent worker it owes nothing (and a worker
-    # on a silent server) before failing with an error naming it. stall_shutdown_s, when set,
-    # takes precedence; this is the limit when it is not.
-    ps_timeout_s: float = 60.0
+    # Parameter server: how long a server waits on a silent worker (no message, not even the
+    # heartbeat its process sends while it lives; and a worker on a silent server) before
+    # failing with an error naming it. stall_shutdown_s, when set, takes precedence; this is
+    # the limit when it is not. None (a value <= 0): no limit.
+    ps_timeout_s: Optional[float] = 60.0
     # Parameter server: the nap between polls of MPI for messages, so an idle server leaves
-    # the CPU to the workers sharing its host.
+    # the CPU to the workers sharing its host (0: poll without napping).
     ps_poll_sleep_us: int = 200
     # Parameter server: when set, each server records every event it handles (arrival order,
     # the decoded gradients, the hyper-parameters) and writes it to "<path>.server<rank>" at
@@ -157,30 +191,30 @@ def _from_environment() -> Settings:
     d = Settings()
     stall_off = _stall_check_disabled()
     return Settings(
-        cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, float),
-        fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, int),
-        pack_limit_bytes=_read("PACK_LIMIT", d.pack_limit_bytes, int),
+        cycle_time_ms=_read("CYCLE_TIME_MS", d.cycle_time_ms, _milliseconds),
+        fusion_threshold_bytes=_read("FUSION_THRESHOLD", d.fusion_threshold_bytes, _count),
+        pack_limit_bytes=_read("PACK_LIMIT", d.pack_limit_bytes, _count),
         gradient_buffer=_read("GRADIENT_BUFFER", d.gradient_buffer, _flag),
         timeline_path=_read("TIMELINE", d.timeline_path, _timeline_path),
         timeline_mark_cycles=_read("TIMELINE_MARK_CYCLES", d.timeline_mark_cycles, _flag),
         stall_warning_s=_read_stall("STALL_WARNING_S", d.stall_warning_s, stall_off),
         stall_shutdown_s=_read_stall("STALL_SHUTDOWN_S", d.stall_shutdown_s, stall_off),
         grouping_plan_path=_read("GROUPING_PLAN", d.grouping_plan_path, str),
-        ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, int),
-        small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, int),
-        slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, float),
+        ring_segment_bytes=_read("RING_SEGMENT_BYTES", d.ring_segment_bytes, _at_least(1)),
+        small_message_bytes=_read("SMALL_MESSAGE_BYTES", d.small_message_bytes, _count),
+        slowdown_factor=_read("SLOWDOWN", d.slowdown_factor, _factor),
         rank_records_dir=_read("RANK_RECORDS", d.rank_records_dir, str),
         shared_memory=_read("SHARED_MEMORY", _shared_memory_default(d.shared_memory), _mode),
         bursts=_read("BURSTS", d.bursts, _mode),
         nccl=_read("NCCL", d.nccl, _mode),
-        shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, int),
+        shm_slot_bytes=_read("SHM_SLOT_BYTES", d.shm_slot_bytes, _at_least(4096)),
         mpi_wait=_read("MPI_WAIT", "sleep" if _mpi_peers_remote() else d.mpi_wait, _wait_mode),
-        mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, int),
+        mpi_wait_sleep_us=_read("MPI_WAIT_SLEEP_US", d.mpi_wait_sleep_us, _count),
         mpi_wait_spin_us=_read("MPI_WAIT_SPIN_US", d.mpi_wait_spin_us, _count),
         torch_threads=_read("TORCH_THREADS", d.torch_threads, _threads),
         cache_capacity=_read("CACHE_CAPACITY", d.cache_capacity, _count),
-        ps_timeout_s=_read("PS_TIMEOUT_S", d.ps_timeout_s, float),
-        ps_poll_sleep_us=_read("PS_POLL_SLEEP_US", d.ps_poll_sleep_us, int),
+        ps_timeout_s=_read("PS_TIMEOUT_S", d.ps_timeout_s, _optional_seconds),
+        ps_poll_sleep_us=_read("PS_POLL_SLEEP_US", d.ps_poll_sleep_us, _count),
         ps_record_path=_read("PS_RECORD", d.ps_record_path, str),
     )
 

@@ -18,29 +18,41 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import shlex
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 
-def _mib_to_bytes(value: str) -> str:
-    return str(int(float(value) * 1024 * 1024))
+def _number(raw: str, whole: bool = False) -> float:
+    """`raw` as a number >= 0; the ValueError says what is wrong, for the option's name to precede."""
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        raise ValueError(f"needs a {'whole ' if whole else ''}number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"needs a number, got {raw!r}")
+    if value < 0:  # horovodrun refuses these at launch too
+        raise ValueError(f"must be >= 0, got {raw!r}")
+    return value
 
 
-def _as_float(value: str) -> str:
-    return str(float(value))
+def _mib_to_bytes(raw: str) -> str:
+    return str(int(_number(raw) * 1024 * 1024))
 
 
-def _as_count(value: str) -> str:
-    count = int(value)
-    if count < 0:
-        raise ValueError(value)
-    return str(count)
+def _as_float(raw: str) -> str:
+    return str(_number(raw))
 
 
-# option -> (the FUSIONRING_* variable set on every rank, how the value is converted). Horovod
-# takes the fusion threshold in MiB; fusionring's variable is in bytes.
+def _as_count(raw: str) -> str:
+    return str(int(_number(raw, whole=True)))
+
+
+# option -> (the FUSIONRING_* variable set on every rank, how the value is checked and converted:
+# a ValueError says what is wrong with it). Horovod takes the fusion threshold in MiB;
+# fusionring's variable is in bytes.
 SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
     "--fusion-threshold-mb": ("FUSIONRING_FUSION_THRESHOLD", _mib_to_bytes),
     "--cycle-time-ms": ("FUSIONRING_CYCLE_TIME_MS", _as_float),
@@ -50,14 +62,40 @@ SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
     "--cache-capacity": ("FUSIONRING_CACHE_CAPACITY", _as_count),
 }
 
-# Switches that set fusionring variables (or restore the default, which is nothing to set).
+# Switches that set fusionring variables as they stand (a later option may set them again, so
+# the command line overrides the config file).
 SWITCHES: Dict[str, Dict[str, str]] = {
-    "--no-stall-check": {"FUSIONRING_STALL_WARNING_S": "0", "FUSIONRING_STALL_SHUTDOWN_S": "0"},
-    "--stall-check": {},
     "--timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "1"},
+    "--no-timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "0"},
     "--disable-cache": {"FUSIONRING_CACHE_CAPACITY": "0"},
-    "--no-timeline-mark-cycles": {},
 }
+
+# horovodrun's on/off pairs whose effect depends on other options: option -> (what it turns,
+# on or off). The last one given wins; switch_env says what they set on every rank.
+TOGGLES: Dict[str, Tuple[str, bool]] = {
+    "--stall-check": ("stall_check", True),
+    "--no-stall-check": ("stall_check", False),
+}
+_MARK_CYCLES_VARIABLES = ("FUSIONRING_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
+
+
+def switch_env(toggles: Dict[str, bool], rank_env: Dict[str, str],
+               environ: Mapping[str, str]) -> Dict[str, str]:
+    """What horovodrun would set on every rank beyond `rank_env` (the variables the options
+    set), given its on/off options (`toggles`: what each turns, as TOGGLES names it) and the
+    launching shell's environment (`environ`)."""
+    env: Dict[str, str] = {}
+    stall_check = toggles.get("stall_check")
+    if stall_check is False:
+        # Off outranks any stall time, given before or after it, as in horovodrun.
+        env.update(FUSIONRING_STALL_WARNING_S="0", FUSIONRING_STALL_SHUTDOWN_S="0")
+    elif stall_check and environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip():
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "0"  # horovodrun sets it over the shell's
+    if (rank_env.get("FUSIONRING_TIMELINE") and "FUSIONRING_TIMELINE_MARK_CYCLES" not in rank_env
+            and not any(environ.get(name, "").strip() for name in _MARK_CYCLES_VARIABLES)):
+        env["FUSIONRING_TIMELINE_MARK_CYCLES"] = "0"  # horovodrun marks no cycles unless told to
+    return env
+
 
 # Launch options handled by LaunchOptions (name -> how many values follow).
 LAUNCH_OPTIONS: Dict[str, int] = {
@@ -79,6 +117,8 @@ NO_EFFECT: Dict[str, Tuple[int, str]] = {
     "--no-hierarchical-allreduce": (0, ""),
     "--hierarchical-allgather": (0, _HIERARCHICAL),
     "--no-hierarchical-allgather": (0, ""),
+    "--torus-allreduce": (0, _HIERARCHICAL + " (nor its torus form over NCCL)"),
+    "--no-torus-allreduce": (0, ""),
     "--autotune": (0, _AUTOTUNE),
     "--no-autotune": (0, ""),
     "--autotune-log-file": (1, _AUTOTUNE),
@@ -130,10 +170,11 @@ _CONFIG_VALUES: Dict[str, Dict[str, str]] = {
 }
 _CONFIG_SWITCHES: Dict[str, Dict[str, Tuple[Optional[str], Optional[str]]]] = {
     "params": {"hierarchical_allreduce": ("--hierarchical-allreduce", None),
-               "hierarchical_allgather": ("--hierarchical-allgather", None)},
+               "hierarchical_allgather": ("--hierarchical-allgather", None),
+               "torus_allreduce": ("--torus-allreduce", None)},
     "autotune": {"enabled": ("--autotune", None)},
-    "timeline": {"mark_cycles": ("--timeline-mark-cycles", None)},
-    "stall_check": {"enabled": (None, "--no-stall-check")},
+    "timeline": {"mark_cycles": ("--timeline-mark-cycles", "--no-timeline-mark-cycles")},
+    "stall_check": {"enabled": ("--stall-check", "--no-stall-check")},
     "library_options": {"mpi_threads_disable": ("--mpi-threads-disable", None)},
     "logging": {"with_timestamp": ("--log-with-timestamp", None), "hide_timestamp": (None, None)},
 }

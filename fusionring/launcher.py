@@ -82,6 +82,8 @@ class LaunchRequest:
     hosts: Optional[str] = None          # HOST:SLOTS,... (-H, --hosts, or read from --hostfile)
     hostfile: Optional[str] = None       # as given, for an MPI that reads horovodrun's format itself
     rank_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # FUSIONRING_* for every rank
+    # horovodrun's on/off options as they end up (the last given wins): what each turns -> on
+    toggles: Dict[str, bool] = dataclasses.field(default_factory=dict)
     launch_options: horovodrun.LaunchOptions = dataclasses.field(
         default_factory=horovodrun.LaunchOptions)  # horovodrun's nics, ssh, output files, ...
     notes: List[str] = dataclasses.field(default_factory=list)  # printed to stderr before the launch
@@ -250,10 +252,14 @@ def _parse(argv: Sequence[str]) -> Tuple[LaunchRequest, Optional[Tuple[str, int,
             variable, convert = horovodrun.SETTINGS[name]
             try:
                 request.rank_env[variable] = convert(raw)
-            except ValueError:
-                raise LaunchError(f"{name} needs a number, got {raw!r}") from None
+            except ValueError as exc:
+                raise LaunchError(f"{name} {exc}") from None
         elif name in horovodrun.SWITCHES:
             request.rank_env.update(horovodrun.SWITCHES[name])
+            i += 1
+        elif name in horovodrun.TOGGLES:
+            what, on = horovodrun.TOGGLES[name]
+            request.toggles[what] = on
             i += 1
         elif name in horovodrun.LAUNCH_OPTIONS:
             raw = None
@@ -398,10 +404,12 @@ def _print_help() -> int:
           "  --fusion-threshold-mb MB     FUSIONRING_FUSION_THRESHOLD (in bytes)\n"
           "  --cycle-time-ms MS           FUSIONRING_CYCLE_TIME_MS\n"
           "  --cache-capacity N, --disable-cache  FUSIONRING_CACHE_CAPACITY (N, or 0)\n"
-          "  --timeline-filename PATH     FUSIONRING_TIMELINE\n"
-          "  --timeline-mark-cycles       FUSIONRING_TIMELINE_MARK_CYCLES=1\n"
+          "  --timeline-filename PATH     FUSIONRING_TIMELINE (rank 0 creates missing directories)\n"
+          "  --[no-]timeline-mark-cycles  FUSIONRING_TIMELINE_MARK_CYCLES=1/0 (off unless given)\n"
           "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"
-          "  --no-stall-check             FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S\n"
+          "  --[no-]stall-check           FUSIONRING_STALL_WARNING_S / FUSIONRING_STALL_SHUTDOWN_S\n"
+          "                               (--no-stall-check outranks the times)\n"
+          "  (values must be >= 0; a later option, and the command line over --config-file, wins)\n"
           "  --network-interface(s) NIC[,NIC]  the interfaces MPI (and NCCL/Gloo) may use\n"
           "  -p/--ssh-port PORT, -i/--ssh-identity-file FILE  how mpiexec reaches other hosts\n"
           "  --output-filename DIR        each rank's output in DIR/rank.N/stdout and stderr\n"
@@ -455,6 +463,7 @@ def build_launch(request: LaunchRequest, mpiexec: str, flavour: str,
                                        request.num_ranks)
     argv += translation.words
     rank_env = {**request.rank_env, **translation.env}
+    rank_env.update(horovodrun.switch_env(request.toggles, request.rank_env, environ))
     env.update(rank_env)
     if flavour == OPEN_MPI:
         # Open MPI gives remote ranks only the variables it is told to; horovodrun tells it

@@ -85,6 +85,12 @@ def init(comm=None) -> Runtime:
         return _runtime
     if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
         _check_not_a_worker_process()
+    # A parameter-server worker (fusionring.ps sits above the runtime, so it is looked up, not
+    # imported: loaded only if the script started a parameter-server job).
+    ps_worker = sys.modules.get("fusionring.ps.worker")
+    blocked = ps_worker.init_would_wait(comm) if ps_worker is not None else None
+    if blocked:
+        raise RuntimeError(blocked)
     from mpi4py import MPI
 
     if isinstance(comm, (list, tuple)):

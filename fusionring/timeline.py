@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import json
 import os
+import sys
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from .config import HOROVOD_VARIABLES
 
 # phase name, start, end (time.perf_counter seconds)
 PhaseRecorder = Callable[[str, float, float], None]
@@ -49,6 +53,8 @@ CYCLE_MARK = "CYCLE_START"
 # Written at least this often while spans arrive, and after every cycle that ran operations
 # (Runtime calls flush()), so a running job's file shows what has completed.
 _FLUSH_EVERY_S = 0.5
+# Follows the events in the file after every flush; the next batch is written over it.
+_CLOSING = b"\n]\n"
 
 
 def activity(phase: str, kind: str = "allreduce", transport: Optional[str] = None) -> str:
@@ -64,40 +70,114 @@ def activity(phase: str, kind: str = "allreduce", transport: Optional[str] = Non
     return _ACTIVITIES.get(phase, phase.upper())
 
 
-class Timeline:
-    """Streams trace events to a JSON file; written by rank 0 only."""
+class TimelineError(OSError):
+    """The timeline file cannot be opened; raised on every rank alike (rank 0 writes it)."""
 
-    def __init__(self, path: str, mark_cycles: bool = True) -> None:
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+# What a rank that could not open the timeline tells the others: (errno, the message).
+Failure = Tuple[int, str]
+
+
+def open_failure(exc: OSError, path: str, what: str) -> Failure:
+    """The Failure for `exc`, raised opening `path` as `what` asked (a setting or a call)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename and os.path.abspath(exc.filename) != os.path.abspath(path):
+        reason = f"cannot create the directory {exc.filename}: {reason}"
+    elif exc.errno == errno.EISDIR:
+        reason = "it is a directory; name a file (missing directories are created)"
+    return exc.errno or errno.EIO, f"{what}: rank 0 cannot open the timeline file: {reason}"
+
+
+def timeline_variable() -> str:
+    """The variable that named the timeline at init, for messages: FUSIONRING_TIMELINE, or
+    Horovod's name for it when only that is set (config.settings() read the value)."""
+    horovod = HOROVOD_VARIABLES["TIMELINE"]
+    if os.environ.get(horovod, "").strip() and not os.environ.get("FUSIONRING_TIMELINE", "").strip():
+        return horovod
+    return "FUSIONRING_TIMELINE"
+
+
+class Timeline:
+    """Streams trace events to a JSON file; written by rank 0 only.
+
+    Directories missing from `path` are created. Events are written in batches: at flush()
+    (after each cycle that ran operations) or every _FLUSH_EVERY_S while spans arrive. Each
+    batch goes out with the closing ``]`` after it, and the next batch is written over that
+    bracket, so the file is a complete JSON array after every flush, as Horovod's is: it loads
+    while the job runs, and after a rank was killed.
+    """
+
+    def __init__(self, path: str, mark_cycles: bool = False) -> None:
+        self.path = os.path.abspath(path)
         self.mark_cycles = mark_cycles
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "w")
-        self._file.write("[\n")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._end = 0  # where the next batch goes: over the closing bracket
+        self._pending: List[str] = []
         self._first = True
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._tids: Dict[str, int] = {}
         self._flushed = time.monotonic()
+        try:
+            self._write("[")
+        except OSError:
+            os.close(self._fd)
+            raise
+
+    def writes_to(self, path: str) -> bool:
+        """Whether `path` names this timeline's file (relative to the current directory)."""
+        return os.path.abspath(path) == self.path
+
+    def _write(self, text: str) -> None:
+        """Write `text` then the closing bracket at the end of the events; under the lock."""
+        data = text.encode()
+        view = memoryview(data + _CLOSING)
+        offset = self._end
+        while view:  # a regular file takes it all at once, short of a full disk
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+        self._end += len(data)
 
     def _us(self, t: float) -> float:
         return round((t - self._t0) * 1e6, 3)
 
     def _emit(self, event: dict) -> None:
         with self._lock:
-            if self._file.closed:
+            if self._fd is None:
                 return
-            self._file.write(("" if self._first else ",\n") + json.dumps(event))
+            self._pending.append(("\n" if self._first else ",\n") + json.dumps(event))
             self._first = False
             if time.monotonic() - self._flushed > _FLUSH_EVERY_S:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
-        self._file.flush()
         self._flushed = time.monotonic()
+        if not self._pending:
+            return
+        text = "".join(self._pending)
+        self._pending.clear()
+        try:
+            self._write(text)
+        except OSError as exc:
+            # A full disk must not stop training: the file keeps what it had (a part of the
+            # batch that went out is cut off again), and recording stops.
+            try:
+                os.ftruncate(self._fd, self._end)
+                os.pwrite(self._fd, _CLOSING, self._end)
+            except OSError:
+                pass
+            print(f"fusionring: cannot write the timeline {self.path}: {exc.strerror or exc}; "
+                  f"recording stopped", file=sys.stderr, flush=True)
+            self._close_locked()
 
     def flush(self) -> None:
         """Hand what was recorded so far to the file."""
         with self._lock:
-            if not self._file.closed:
+            if self._fd is not None:
                 self._flush_locked()
 
     def _tid(self, lane: str) -> int:
@@ -128,11 +208,17 @@ class Timeline:
         if self.mark_cycles:
             self.mark(CYCLE_MARK)
 
+    def _close_locked(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
     def close(self) -> None:
+        """Write what is left and close the file (a no-op the second time)."""
         with self._lock:
-            if not self._file.closed:
-                self._file.write("\n]\n")
-                self._file.close()
+            if self._fd is not None:
+                self._flush_locked()
+                self._close_locked()
 
 
 class LaneView:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import run_ranks
-from fusionring.config import HOROVOD_VARIABLES, settings
+from fusionring.config import HOROVOD_VARIABLES, Settings, settings
 
 _ALL = ["FUSIONRING_" + name for name in HOROVOD_VARIABLES] + list(HOROVOD_VARIABLES.values()) + [
     "HOROVOD_STALL_CHECK_DISABLE"]
@@ -36,7 +36,7 @@ def test_defaults_without_variables(env):
     s = env()
     assert s.fusion_threshold_bytes == 64 * 1024 * 1024
     assert s.cycle_time_ms == 1.0
-    assert s.timeline_path is None and s.timeline_mark_cycles
+    assert s.timeline_path is None and not s.timeline_mark_cycles   # off, as in Horovod
     assert s.stall_warning_s == 60.0 and s.stall_shutdown_s is None
 
 
@@ -262,3 +262,27 @@ def test_init_fits_torch_threads_on_every_rank(tmp_path):
         assert r["threads"] == max(1, min(16, int(r["share"] + 1e-9)))
     chosen = run_ranks(2, THREADS_JOB, tmp_path, timeout=60, env={"OMP_NUM_THREADS": "16"})
     assert [r["threads"] for r in chosen] == [16, 16]
+
+
+@pytest.mark.parametrize("variable,value", [
+    ("FUSIONRING_CYCLE_TIME_MS", "-1"), ("FUSIONRING_CYCLE_TIME_MS", "inf"),
+    ("FUSIONRING_CYCLE_TIME_MS", "nan"), ("HOROVOD_FUSION_THRESHOLD", "-5"),
+    ("FUSIONRING_PACK_LIMIT", "-1"), ("FUSIONRING_RING_SEGMENT_BYTES", "0"),
+    ("FUSIONRING_SMALL_MESSAGE_BYTES", "-1"), ("FUSIONRING_SHM_SLOT_BYTES", "1024"),
+    ("FUSIONRING_STALL_WARNING_S", "nan"), ("FUSIONRING_SLOWDOWN", "0"),
+    ("FUSIONRING_MPI_WAIT_SLEEP_US", "-1"),
+])
+def test_values_that_do_not_fit_are_refused_naming_the_variable(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}='{value}'"):
+        settings(reload=True)
+
+
+def test_blank_values_count_as_unset_and_stall_times_up_to_zero_turn_the_check_off(monkeypatch):
+    monkeypatch.setenv("FUSIONRING_FUSION_THRESHOLD", "  ")
+    monkeypatch.setenv("FUSIONRING_STALL_WARNING_S", "-3")
+    s = settings(reload=True)
+    assert s.fusion_threshold_bytes == Settings().fusion_threshold_bytes
+    assert s.stall_warning_s is None
+    monkeypatch.undo()
+    settings(reload=True)   # later tests in this process see the environment's own settings

@@ -459,7 +459,7 @@ def test_horovodrun_cache_options_size_the_negotiation_cache(fake_mpiexec, optio
 
 @pytest.mark.parametrize("option, message", [
     (["--gloo"], "MPI processes started by mpiexec"),
-    (["--cache-capacity", "-1"], "--cache-capacity needs a number"),
+    (["--cache-capacity", "-1"], "--cache-capacity must be >= 0, got '-1'"),
     (["--jsrun"], "drop --jsrun"),
     (["--min-np", "2", "--max-np", "4"], "elastic launches are not supported"),
     (["--host-discovery-script", "d.sh"], "elastic launches are not supported"),

@@ -148,3 +148,30 @@ def test_a_worker_ending_on_an_exception_fails_every_rank_at_once(tmp_path, case
     assert "server rank 0: " + message in output, output[-3000:]
     assert output.count(message) >= 2, output[-3000:]
     assert took < 40, took
+
+
+RECORDED = r'''
+import torch
+from fusionring import ps
+ps.init(num_servers=1)
+model = torch.nn.Linear(3, 1)
+try:
+    ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                            named_parameters=model.named_parameters(), sync="bsp")
+    report("no error")
+except Exception as e:
+    report(type(e).__name__ + ": " + str(e))
+    raise
+'''
+
+
+def test_an_unwritable_record_path_fails_every_rank_at_the_start(tmp_path):
+    path = str(tmp_path / "missing" / "record")
+    results, rc, output = run_ranks(3, RECORDED, tmp_path, timeout=100, expect_failure=True,
+                                    env={"FUSIONRING_PS_RECORD": path})
+    assert rc != 0
+    message = f"FUSIONRING_PS_RECORD={path!r}: server rank 0 cannot write its record to {path}.server0"
+    assert message in output, output[-3000:]
+    for r in results[1:]:   # the workers, in DistributedOptimizer(), before any training
+        assert r is None or message in r, r
+    assert any(r is not None for r in results[1:]), output[-3000:]

@@ -193,3 +193,31 @@ def test_mismatched_models_fail_on_every_rank_naming_the_parameter(tmp_path):
     assert rc != 0
     for message in results[1:]:
         assert message.startswith("TensorMismatchError") and "'weight'" in message and "worker 1" in message
+
+
+WAITS = PRELUDE + r'''
+S = {servers}
+if MPI.COMM_WORLD.Get_rank() < S:
+    atexit.register(report, {{"server": True}})
+ps.init(num_servers=S)
+k = ps.worker_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                              named_parameters=model.named_parameters(), sync="bsp")
+for step in range(5):
+    if k == 1:
+        time.sleep(0.3)  # worker 0 pushes first and waits for it every step
+    opt.zero_grad(); model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step()
+s = ps.stats()
+ps.shutdown()
+report(s)
+'''
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_waits_count_steps_held_back_however_many_servers_held_them(tmp_path, servers):
+    results = run_ranks(servers + 2, WAITS.format(servers=servers), tmp_path, timeout=120)
+    waiting, last = results[servers], results[servers + 1]
+    assert waiting["pushes"] == last["pushes"] == 5
+    assert waiting["waits"] == 5 and last["waits"] == 0, (waiting, last)

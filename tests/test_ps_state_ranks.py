@@ -114,3 +114,104 @@ def test_loading_state_after_training_started_fails_on_every_worker(tmp_path):
         assert r is not None, output
         assert "state_dict" in r["bad_dict"]
         assert r["late"] is not None and "load_state_dict()" in r["late"] and "before step()" in r["late"], r
+
+
+SCHEDULED = r'''
+import atexit, torch
+from mpi4py import MPI
+from fusionring import ps
+MODE, PATH, HOW, N, M = @MODE@, @PATH@, @HOW@, 3, 4
+if MPI.COMM_WORLD.Get_rank() < 1:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=1)
+k = ps.worker_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+inner = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)
+opt = ps.DistributedOptimizer(inner, named_parameters=model.named_parameters(), sync="bsp")
+first, last = (0, N) if MODE == "save" else (0, N + M) if MODE == "full" else (N, N + M)
+if MODE == "resume":   # as for any torch resume: the optimizer's state, then the scheduler's
+    opt.load_state_dict(torch.load(PATH if HOW == "file" else PATH + f".dict{k}"))
+    sched.load_state_dict(torch.load(PATH + f".sched{k}"))
+lrs = []
+for step in range(first, last):
+    g = torch.Generator().manual_seed(1000 * step + k)
+    x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+    lrs.append(inner.param_groups[0]["lr"])
+    opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+    sched.step()
+if MODE == "save":
+    ps.save(PATH)
+    torch.save(opt.state_dict(), PATH + f".dict{k}")
+    torch.save(sched.state_dict(), PATH + f".sched{k}")
+ps.shutdown()
+report({"lrs": lrs, "bits": [p.detach().numpy().tobytes().hex() for p in model.parameters()]})
+'''
+
+
+def test_a_resumed_run_with_an_lr_scheduler_continues_bit_for_bit(tmp_path):
+    """The learning rate a scheduler had set is restored with the optimizer's state (as torch's
+    Optimizer.load_state_dict does) and reaches the servers with the first push."""
+    path = str(tmp_path / "sched.pt")
+
+    def run(mode, how="file"):
+        code = SCHEDULED.replace("@MODE@", repr(mode)).replace("@PATH@", repr(path)).replace("@HOW@", repr(how))
+        return run_ranks(3, code, tmp_path / f"{mode}_{how}", timeout=120)
+
+    full = run("full")
+    assert full[1]["lrs"] == [0.2, 0.2, 0.1, 0.1, 0.05, 0.05, 0.025]   # the schedule, by hand
+    run("save")
+    for how in ("file", "dict"):
+        resumed = run("resume", how)
+        for k in (1, 2):
+            assert resumed[k]["lrs"] == full[k]["lrs"][3:], how
+            assert resumed[k]["bits"] == full[k]["bits"], how
+
+
+ONLY_ONE_LOADS = r'''
+import atexit, time, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 1:
+    atexit.register(report, "server")
+ps.init(num_servers=1)
+k = ps.worker_rank()
+model = torch.nn.Linear(3, 1)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              sync="@SYNC@")
+if "@WHO@" == "make":
+    opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
+    ps.save(@PATH@)
+    ps.shutdown()
+    report("saved")
+else:
+    try:
+        if k == 0:
+            if "@WHO@" == "late":
+                time.sleep(1.0)   # worker 1's push arrives first
+            opt.load_state_dict(torch.load(@PATH@))
+        for step in range(40):   # under asp, still training when worker 0 loads
+            opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
+            time.sleep(0.05)
+        report("no error")
+    except Exception as e:
+        report(type(e).__name__ + ": " + str(e))
+        raise
+'''
+
+
+@pytest.mark.parametrize("sync,who", [("bsp", "late"), ("bsp", "early"), ("asp", "late")])
+def test_a_worker_that_skips_load_state_dict_is_the_one_named(tmp_path, sync, who):
+    path = str(tmp_path / "one.pt")
+    make = ONLY_ONE_LOADS.replace("@SYNC@", sync).replace("@PATH@", repr(path))
+    run_ranks(3, make.replace("@WHO@", "make"), tmp_path / "make", timeout=120)
+    results, rc, output = run_ranks(3, make.replace("@WHO@", who), tmp_path / who, timeout=120,
+                                    expect_failure=True)
+    assert rc != 0
+    assert results[1] is not None, output[-3000:]   # worker 0, waiting in load_state_dict()
+    if sync == "bsp":
+        assert results[2] is not None, output[-3000:]   # worker 1, held for the round
+    for message in [r for r in results[1:] if r is not None]:   # (under asp worker 1 may be ended first)
+        assert "worker 1 did not call load_state_dict() (worker 0 did" in message, message
+        assert "worker 0 called" not in message

@@ -127,3 +127,15 @@ def test_replaying_a_recorded_arrival_order_is_bit_for_bit_deterministic():
 def test_invalid_sync_arguments_raise_value_error_naming_them(kw, name):
     with pytest.raises(ValueError, match=name):
         make_policy(num_workers=2, **kw)
+
+
+@pytest.mark.parametrize("slack,further", [(None, 3), (2, 3), (0, 1), (2.5, 3)])
+def test_adaptive_aggregates_an_incomplete_list_once_more_than_slack_further_pushes_arrived(slack, further):
+    """As docs/ps.md and README say: the list goes once the pushes after its first entry exceed ``slack``
+    (the default, 2: at the third)."""
+    p = Adaptive(3, slack=slack)
+    p.group = [0, 1]
+    assert p.push(0, 5).updates == []   # the list's first entry: the count starts after it
+    for i in range(1, further):
+        assert p.push(2, i).updates == [[(2, 1.0)]]   # asynchronous, applied alone
+    assert p.push(2, further).updates == [[(2, 1.0)], [(0, 1.0)]]

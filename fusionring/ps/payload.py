@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..compression import ClusterCompressor, NMCompressor, describe
+from ..compression.base import compress_named
 from ..compression.nm import nm as _nm
 
 Layout = List[Tuple[str, Any, bool, List[Tuple[str, Tuple[int, ...]]]]]
@@ -53,10 +54,6 @@ def build_decoder(spec: bytes) -> Any:
     return value
 
 
-def _compress(compression: Any, name: str, tensor: torch.Tensor) -> Tuple[Any, Any]:
-    if isinstance(compression, (NMCompressor, ClusterCompressor)):
-        return compression.compress(tensor, name=name)  # its residuals are kept per gradient name
-    return compression.compress(tensor)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -76,7 +73,7 @@ def encode_parts(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) ->
     layout: Layout = []
     parts: List[np.ndarray] = []
     for name, tensor in named:
-        payload, ctx = _compress(compression, name, tensor)
+        payload, ctx = compress_named(compression, tensor, name)  # `named` ones: state per gradient
         is_tuple = isinstance(payload, (tuple, list))
         pieces = list(payload) if is_tuple else [payload]
         if not all(isinstance(p, torch.Tensor) for p in pieces):
@@ -89,6 +86,13 @@ def encode_parts(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) ->
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def tensor_dtype(name: str) -> torch.dtype:
+    """The dtype that ``str(dtype)`` names (a parameter's, a buffer's or a payload part's)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name} cannot travel to a parameter server")
+    return _DTYPES[name]
 
 
 def copy_ok_to_skip(buffer: np.ndarray) -> bool:
@@ -238,4 +242,4 @@ def packed_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 __all__ = ["check_compressor", "decoder_spec", "build_decoder", "encode", "encode_parts", "decode", "pack",
            "unpack_into", "runs", "part_sizes", "send_parts", "recv_parts", "recv_into", "dense_parts",
-           "packed_bytes"]
+           "packed_bytes", "tensor_dtype"]

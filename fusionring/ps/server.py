@@ -1,8 +1,9 @@
 """The server role: hold a shard of the parameters, apply the pushes the sync policy lets through, answer workers.
 
-A server polls MPI for worker messages (``Iprobe``, so a silent worker becomes an error after the stall timeout
-rather than a hang), feeds each arrival to the policy of ``sync.py``, runs the optimizer steps the policy's decision
-lists and sends the new parameters to the workers it names. Everything it does is a function of the order in which
+A server polls MPI for worker messages (``Iprobe``, so a worker that sends nothing, not even the heartbeat its
+process sends while it lives, becomes an error after the stall timeout rather than a hang), feeds each arrival to
+the policy of ``sync.py``, runs the optimizer steps the policy's decision lists and sends the new parameters to the
+workers it names. Everything it does is a function of the order in which
 messages arrive.
 
 Optimizer: in every mode the server builds the wrapped optimizer's own class with the workers' param-group
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -67,11 +69,23 @@ class Server:
         self.rank = comm.Get_rank()
         self.num_servers = num_servers
         self.num_workers = comm.Get_size() - num_servers
-        self.timeout = protocol.timeout_s()
+        self.timeout = protocol.timeout_s()    # None: no limit
+        self.interval = protocol.heartbeat_interval(self.timeout)
         self.nap = settings().ps_poll_sleep_us / 1e6
         self.active = set(range(self.num_workers))
         self.held: set = set()                 # workers waiting on a reply the policy holds back
-        self.last_heard = {k: time.monotonic() for k in range(self.num_workers)}
+        self.owed: set = set()                 # workers waiting on a reply at all (held, starting, loading)
+        self.beating: set = set()              # workers whose heartbeat arrived
+        now = time.monotonic()
+        self.last_heard = {k: now for k in range(self.num_workers)}
+        self.last_push = {k: now for k in range(self.num_workers)}
+        self.warned: set = set()               # workers named in a wait warning since their last push
+        self.next_check = 0.0
+        self.next_beat = 0.0
+        self.absent: Dict[int, frozenset] = {}  # per worker: the parameters its pending push has no gradient for
+        self.started: set = set()              # workers that pushed in this job (a load_state_dict() after is late)
+        self.buffer_names: List[str] = []       # server 0: worker 0's buffers (running statistics), if it sent any
+        self.buffers: Dict[str, torch.Tensor] = {}
         self.grads: Dict[int, Dict[str, torch.Tensor]] = {}
         self.hyper: Dict[int, List[dict]] = {}
         self.pushes = {k: 0 for k in range(self.num_workers)}
@@ -133,37 +147,86 @@ class Server:
             payload.recv_parts(self.comm, data, payload.part_sizes(header.fields["layout"]), source,
                                protocol.TAG_TO_SERVER_DATA)
             self.bytes_received += nbytes
+            if header.fields.get("buffers"):  # worker 0's buffers follow its gradients, as one message
+                raw = np.empty(header.fields["buffers"], dtype=np.uint8)
+                self.comm.Recv(raw, source=source, tag=protocol.TAG_TO_SERVER_DATA)
+                self.bytes_received += raw.size
+                # replies carry a copy of the buffers (_param_parts), so they may change while those are sent
+                payload.unpack_into(raw, [self.buffers[n] for n in self.buffer_names])
         elif nbytes is not None:
             data = np.empty(nbytes, dtype=np.uint8)
             self.comm.Recv(data, source=source, tag=protocol.TAG_TO_SERVER_DATA)
             self.bytes_received += nbytes
         self.last_heard[k] = time.monotonic()
+        if header.kind == protocol.HEARTBEAT:
+            self.beating.add(k)
         return k, header, data
 
     def _next_message(self, waiting_for_hello: bool = False) -> tuple:
-        """Poll for the next header; a worker silent past the timeout while this server owes it nothing is dead."""
+        """Poll for the next header (a heartbeat is one); meanwhile send the waiting workers this server's
+        heartbeat, and fail on a worker silent past the limit (no header, not even a heartbeat: it is dead)."""
         from mpi4py import MPI
         status = MPI.Status()
         spins = 0
         # before the first hello, workers are still importing and building their models: allow the longer of
         # the two limits; once training runs, the stall limit applies
-        limit = max(self.timeout, float(settings().ps_timeout_s)) if waiting_for_hello else self.timeout
-        while not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER, status=status):
-            spins += 1
-            if spins % 64 == 0:
+        limit = protocol.longest(self.timeout, settings().ps_timeout_s) if waiting_for_hello else self.timeout
+        while True:
+            if spins % 64 == 0:  # on entry too, so a server busy with messages still judges silence
                 now = time.monotonic()
-                # longest silent first: the worker that died, not the ones blocked behind it
-                silent = sorted((k for k in self.active - self.held if now - self.last_heard[k] > limit),
-                                key=lambda k: (self.last_heard[k], k))
-                if silent:
-                    what = "sent no model description" if waiting_for_hello else "sent nothing"
-                    self._fail(StallError(
-                        f"worker {silent[0]} (rank {self._worker_rank(silent[0])}) {what} for {limit:g} s: it "
-                        f"died or exited without ps.shutdown() (silent workers: {sorted(silent)}; limit: "
-                        f"FUSIONRING_STALL_SHUTDOWN_S or FUSIONRING_PS_TIMEOUT_S)"))
-                if self.nap > 0:
+                if now >= self.next_check:
+                    self.next_check = now + self.interval / 2
+                    if now >= self.next_beat:
+                        self.next_beat = now + self.interval
+                        self._send_heartbeats()
+                    self._check_silence(limit, waiting_for_hello)
+                    self._warn_waits()
+                if spins and self.nap > 0:
                     time.sleep(self.nap)
-        return self._receive(status)
+            if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER, status=status):
+                return self._receive(status)
+            spins += 1
+
+    def _send_heartbeats(self) -> None:
+        """A worker waiting on this server (held back by the sync rule, or waiting for the others to start or
+        load) hears from it every few seconds, so it waits as long as the server lives."""
+        for k in sorted(self.owed & self.active):
+            self._send(k, Header(protocol.HEARTBEAT))
+
+    def _check_silence(self, limit: Optional[float], waiting_for_hello: bool) -> None:
+        """Fail on a worker that sent nothing, not even its heartbeat, for ``limit`` seconds. A worker without a
+        heartbeat (MPI below MPI_THREAD_MULTIPLE) is judged only while this server owes it nothing."""
+        if limit is None:
+            return
+        now = time.monotonic()
+        judged = [k for k in self.active if k in self.beating or k not in self.owed]
+        # longest silent first: the worker that died, not the ones blocked behind it
+        silent = sorted((k for k in judged if now - self.last_heard[k] > limit),
+                        key=lambda k: (self.last_heard[k], k))
+        if not silent:
+            return
+        k = silent[0]
+        what = "sent no model description" if waiting_for_hello else "sent nothing"
+        why = ("not even its heartbeat: its process died, exited without ps.shutdown(), or is frozen"
+               if k in self.beating else "it died or exited without ps.shutdown()")
+        self._fail(StallError(
+            f"worker {k} (rank {self._worker_rank(k)}) {what} for {limit:g} s, {why} (silent workers: "
+            f"{sorted(silent)}; limit: FUSIONRING_STALL_SHUTDOWN_S or FUSIONRING_PS_TIMEOUT_S)"))
+
+    def _warn_waits(self) -> None:
+        """Name, once per wait, a live worker that others have been held back for longer than the stall warning
+        time: waiting is what bsp and ssp do, so it is no error, but a long one deserves a word."""
+        warn = settings().stall_warning_s
+        if warn is None or not self.held:
+            return
+        now = time.monotonic()
+        for k in sorted(self.active - self.owed - self.warned):
+            if now - self.last_push[k] > warn:
+                self.warned.add(k)
+                print(f"fusionring.ps server rank {self.rank}: workers {sorted(self.held)} wait for worker {k} "
+                      f"(rank {self._worker_rank(k)}), alive but without a push for {now - self.last_push[k]:.0f}"
+                      f" s (evaluation, a checkpoint, a slow data loader?); they go on waiting", file=sys.stderr,
+                      flush=True)
 
     # ------------------------------------------------------------------ start
     def _start(self) -> None:
@@ -172,19 +235,26 @@ class Server:
         values = None
         while len(hellos) < self.num_workers:
             k, header, data = self._next_message(waiting_for_hello=True)
+            if header.kind == protocol.HEARTBEAT:
+                continue
             if header.kind == protocol.FAILED:
                 self._fail(_ERROR_TYPES.get(header.fields.get("type"), FusionRingError)(
                     header.fields["message"]))
             if header.kind != protocol.HELLO:
                 self._fail(FusionRingError(f"worker {k} sent {header.kind!r} before its model description"))
             hellos[k] = header.fields
+            self.owed.add(k)  # it waits for the others' hellos: this server's heartbeat tells it the server lives
             if k == 0:
                 values = data
+        self._check_record_path()  # once every worker waits for the answer, so each gets the error at once
         ref = hellos[0]
         for k in range(1, self.num_workers):
             problem = protocol.model_mismatch(ref["model"], hellos[k]["model"], k)
             if problem is not None:
                 self._fail(TensorMismatchError(f"the workers' models differ: {problem}"))
+            problem = protocol.model_mismatch(ref.get("buffers", []), hellos[k].get("buffers", []), k, "buffer")
+            if problem is not None:
+                self._fail(TensorMismatchError(f"the workers' buffers differ (named_buffers=): {problem}"))
             for key in ("sync", "staleness", "slack", "optimizer"):
                 if hellos[k][key] != ref[key]:
                     self._fail(ValueError(f"{key}: worker 0 has {ref[key]!r}, worker {k} has {hellos[k][key]!r}"))
@@ -197,7 +267,10 @@ class Server:
         shapes = {n: (s, d) for n, s, d in model}
         self.params: Dict[str, torch.Tensor] = {
             n: torch.empty(shapes[n][0], dtype=_dtype(shapes[n][1])) for n in self.names}
-        payload.unpack_into(values, [self.params[n] for n in self.names])
+        # worker 0's buffers, which only its hello to server 0 describes, follow its parameters
+        self.buffer_names = [n for n, _, _ in ref.get("buffers", [])]
+        self.buffers = {n: torch.empty(shape, dtype=payload.tensor_dtype(d)) for n, shape, d in ref.get("buffers", [])}
+        payload.unpack_into(values, [self.params[n] for n in self.names] + self._buffer_list())
         self.decoders = {k: payload.build_decoder(h["decoder"]) for k, h in hellos.items()}
         self.optimizer = self._build_optimizer(ref["optimizer"], ref["groups"])
         if settings().timeline_path:
@@ -231,9 +304,36 @@ class Server:
             self._fail(ValueError(f"optimizer: the server cannot build {optimizer_class.__name__} from the "
                                   f"workers' param groups: {e}"))
 
+    def _check_record_path(self) -> None:
+        """FUSIONRING_PS_RECORD's file is written at the end of the job: a path it cannot be written to fails the
+        job now, not after training."""
+        path = settings().ps_record_path
+        if not path:
+            return
+        target = f"{path}.server{self.rank}"
+        existed = os.path.exists(target)
+        try:
+            with open(target, "ab"):
+                pass
+            if not existed:
+                os.remove(target)
+            return
+        except OSError as e:
+            problem = e
+        self._fail(FusionRingError(f"FUSIONRING_PS_RECORD={path!r}: server rank {self.rank} cannot write its "
+                                   f"record to {target}: {problem}"))
+
     # ------------------------------------------------------------------ updates and replies
+    def _buffer_list(self) -> List[torch.Tensor]:
+        return [self.buffers[n] for n in self.buffer_names]
+
     def _param_parts(self) -> List[np.ndarray]:
-        return payload.dense_parts([self.params[n] for n in self.names])
+        """What a reply carries: the shard's parameters, each from its own memory, and on server 0 a copy of
+        worker 0's buffers (one part), which the next push of worker 0 may change while the reply is sent."""
+        parts = payload.dense_parts([self.params[n] for n in self.names])
+        if self.buffer_names:
+            parts.append(payload.pack(self._buffer_list()))
+        return parts
 
     def _reply(self, k: int, parts: List[np.ndarray], extra: Optional[dict] = None) -> None:
         """Send the parameters to worker ``k`` straight from their memory (``_settle_param_sends`` guards it)."""
@@ -244,6 +344,7 @@ class Server:
                   "staleness": self.staleness[k], "changes": list(self.changes), "nbytes": nbytes,
                   **(extra or {})}
         self.held.discard(k)
+        self.owed.discard(k)
         self.sent_version[k] = self.version
         self.last_heard[k] = time.monotonic()  # it computes from now on
         self._send(k, Header(protocol.PARAMS, fields))
@@ -259,7 +360,7 @@ class Server:
     def _settle_param_sends(self) -> None:
         """Wait until every worker has the parameters sent to it, before they change (no copy was made). The
         workers are waiting for them, so this is short; a worker that stopped receiving is an error."""
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout if self.timeout is not None else float("inf")
         while self.param_sends:
             self.param_sends = [(r, k) for r, k in self.param_sends if not r.Test()]
             if self.param_sends:
@@ -282,14 +383,19 @@ class Server:
                     for n in self.names:
                         p = self.params[n]
                         # with layer selection a push may leave a parameter out: it counts as zero in this
-                        # update (its gradient waits on the worker), and with no gradient the optimizer skips it
+                        # update (its gradient waits on the worker); a push with no gradient for it (frozen,
+                        # unused this step) leaves it out, and with no gradient at all the optimizer skips it
                         terms = [(self.grads[k][n], w) for k, w in update if n in self.grads[k]]
+                        if terms and decision.average:  # bsp: the mean over the workers that had a gradient
+                            taking = sum(1 for k, _ in update if n not in self.absent.get(k, ()))
+                            terms = [(g, 1.0 / taking) for g, _ in terms]
                         p.grad = weighted_sum([g for g, _ in terms], [w for _, w in terms], p.dtype) \
                             if terms else None
                 self.optimizer.step()
             for k, _ in update:
                 self.staleness[k] = self.version - self.sent_version[k]
                 self.grads.pop(k, None)
+                self.absent.pop(k, None)
             self.version += 1
         if decision.reply:
             parts = self._param_parts()
@@ -318,7 +424,8 @@ class Server:
                 "params": {n: t.detach().clone() for n, t in self.params.items()},
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                 "version": self.version, "iterations": iterations, "epochs": dict(self.epochs),
-                "policy": self.policy.state(), "changes": [dict(c) for c in self.changes]}
+                "policy": self.policy.state(), "changes": [dict(c) for c in self.changes],
+                "buffers": {n: t.clone() for n, t in self.buffers.items()}}
 
     def _load(self, state: Any) -> None:
         """Restore ``state()`` (or the file ``ps.save`` wrote it to) once every worker asked for it."""
@@ -334,10 +441,17 @@ class Server:
             if state[key] != mine:
                 self._fail(ValueError(f"load_state_dict(): the state was saved with {key}={state[key]!r}, this "
                                       f"job has {key}={mine!r}"))
+        saved_buffers = state.get("buffers") or {}
+        if self.buffers and saved_buffers and sorted(saved_buffers) != sorted(self.buffers):
+            self._fail(ValueError(f"load_state_dict(): the state holds buffers {sorted(saved_buffers)}, this job's "
+                                  f"named_buffers are {sorted(self.buffers)}"))
         self._settle_param_sends()
         with torch.no_grad():
             for n in self.names:
                 self.params[n].copy_(state["params"][n])
+            if self.buffers:  # a state saved without buffers keeps worker 0's
+                for n, t in saved_buffers.items():
+                    self.buffers[n].copy_(t)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
@@ -349,9 +463,17 @@ class Server:
         self.changes = [dict(c) for c in state["changes"]]
 
     def _on_load(self, k: int, fields: dict) -> None:
-        if any(self.pushes[j] for j in range(self.num_workers)) and not self.loading:
-            self._fail(FusionRingError(f"worker {k} called load_state_dict() after training started: every worker "
-                                       f"calls it right after building ps.DistributedOptimizer, before step()"))
+        if k in self.started:
+            self._fail(FusionRingError(f"worker {k} called load_state_dict() after training started (after its "
+                                       f"step()): every worker calls it right after building "
+                                       f"ps.DistributedOptimizer, before step()"))
+        if self.started:  # they trained without loading: the workers to name
+            late = sorted(self.started)
+            self._fail(FusionRingError(
+                f"worker{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not call load_state_dict() "
+                f"(worker {k} did, and waits in it) and started training: every worker calls it right after "
+                f"building ps.DistributedOptimizer, before step()"))
+        self.owed.add(k)
         self.loading[k] = fields.get("state")
         if set(self.loading) >= self.active:
             self._load(self.loading[0])
@@ -371,18 +493,27 @@ class Server:
             f = header.fields
             if header.kind == protocol.PUSH:
                 if self.loading:
-                    self._fail(FusionRingError(f"worker {k} pushed a gradient while workers {sorted(self.loading)} "
-                                               f"wait in load_state_dict(): every worker must call it"))
+                    waiting = sorted(self.loading)
+                    self._fail(FusionRingError(
+                        f"worker {k} did not call load_state_dict() (worker{'s' if len(waiting) > 1 else ''} "
+                        f"{', '.join(map(str, waiting))} did, and wait{'' if len(waiting) > 1 else 's'} in it) and "
+                        f"started training: every worker calls it right after building ps.DistributedOptimizer, "
+                        f"before step()"))
                 grads = payload.decode(self.decoders[k], f["layout"], data)
                 self.grads[k] = grads
+                self.absent[k] = protocol.absent_names(self.names, f.get("absent"))
                 self.hyper[k] = f["hyper"]
                 self.pushes[k] += 1
+                self.started.add(k)
+                self.last_push[k] = time.monotonic()
+                self.warned.discard(k)
                 if self.record is not None:
                     self.record["events"].append(("push", k, f["iteration"], f["hyper"],
                                                    {n: g.clone() for n, g in grads.items()}))
                 decision = self.policy.push(k, f["iteration"])
                 if k not in decision.reply:
                     self.held.add(k)
+                    self.owed.add(k)
                 self._apply(decision)
             elif header.kind == protocol.EPOCH:
                 self.epochs[k] = f["epoch"]
@@ -392,6 +523,7 @@ class Server:
             elif header.kind == protocol.BYE:
                 self.active.discard(k)
                 self.held.discard(k)
+                self.owed.discard(k)
                 self.grads.pop(k, None)
                 self.loading.pop(k, None)
                 if self.record is not None:
@@ -409,6 +541,8 @@ class Server:
                 self._on_load(k, f)
             elif header.kind == protocol.FAILED:
                 self._fail(_ERROR_TYPES.get(f.get("type"), FusionRingError)(f["message"]))
+            elif header.kind == protocol.HEARTBEAT:
+                pass  # _receive noted it
             else:
                 self._fail(FusionRingError(f"worker {k} sent an unexpected {header.kind!r} message"))
         self._settle_param_sends()

@@ -10,15 +10,19 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 SYNC_MODES = ("bsp", "asp", "ssp", "adaptive")
-DEFAULT_SLACK = 2.0  # adaptive: aggregate after this many further pushes even if the sync group is incomplete
+DEFAULT_SLACK = 2.0  # adaptive: aggregate once more than this many further pushes arrived (the 3rd), even if the
+                     # sync group is incomplete
 
 
 @dataclass
 class Decision:
     """What the server does after one event: each entry of ``updates`` is one optimizer step on the weighted sum
-    of the listed workers' gradients ((worker, weight) pairs), applied in order; then reply to ``reply``."""
+    of the listed workers' gradients ((worker, weight) pairs), applied in order; then reply to ``reply``.
+    ``average``: the updates are plain averages, so a parameter that some of the listed workers have no gradient
+    for is the average over those that have one (the weights name all of them)."""
     updates: List[List[Tuple[int, float]]] = field(default_factory=list)
     reply: List[int] = field(default_factory=list)
+    average: bool = False
 
 
 class BSP:
@@ -39,7 +43,7 @@ class BSP:
     def _maybe_flush(self) -> Decision:
         if self.pending and self.active <= set(self.pending):
             w = 1.0 / len(self.pending)
-            d = Decision([[(k, w) for k in self.pending]], list(self.pending))
+            d = Decision([[(k, w) for k in self.pending]], list(self.pending), average=True)
             self.pending = []
             return d
         return Decision()

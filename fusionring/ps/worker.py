@@ -7,9 +7,11 @@ new parameters; the wrapped optimizer itself never steps on the worker.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from ..compression import Compression
-from ..compression.base import capabilities
+from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from . import payload, protocol
@@ -42,6 +44,99 @@ class _Job:
                                       "group_changes": [], "version": 0}
         self.closed = False
         self.optimizer: Optional["DistributedOptimizer"] = None
+        self.heartbeat: Optional[_Heartbeat] = None
+
+    def close(self) -> None:
+        """This worker sends nothing more: it shut down, or the job failed."""
+        self.closed = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+
+class _Heartbeat:
+    """A daemon thread that sends every server a small message every few seconds while this worker's process lives.
+
+    So a worker that is busy elsewhere for a long time (evaluation, writing a checkpoint, a slow data loader) is
+    never taken for dead, while one whose process died, whose interpreter is frozen (a call holding the GIL, a
+    deadlock of the whole process) or that exited without ``ps.shutdown()`` falls silent. The same thread ends a
+    worker whose main thread entered ``hvd.init()`` after ``ps.init()``, which would wait forever for the servers.
+    Needs MPI_THREAD_MULTIPLE (mpi4py's default)."""
+
+    def __init__(self, job: _Job, interval: float, send: bool) -> None:
+        self.job = job
+        self.interval = interval
+        self.send = send  # without a time limit nobody reads the beats; the hvd.init() check still runs
+        self.done = threading.Event()
+        self.requests: List[Any] = []
+        self.thread = threading.Thread(target=self._run, name="fusionring-ps-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            if self.send:
+                self._beat()
+            if self.done.wait(self.interval):
+                return
+
+    def _beat(self) -> None:
+        self.requests = [r for r in self.requests if not r.Test()]
+        if len(self.requests) > 16 * self.job.num_servers:
+            return  # a server that stopped receiving: it fails on its own; do not pile up sends to it
+        for server in range(self.job.num_servers):
+            # on the header tag: a server receives every beat before the goodbye sent after it
+            self.requests.append(self.job.comm.isend(Header(protocol.HEARTBEAT), dest=server,
+                                                     tag=protocol.TAG_TO_SERVER))
+
+    def stop(self) -> None:
+        """No more beats once this returns (from any thread but its own)."""
+        self.done.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10.0)
+            deadline = time.monotonic() + 1.0  # small messages: they leave at once unless a server is gone
+            while self.requests and time.monotonic() < deadline:
+                self.requests = [r for r in self.requests if not r.Test()]
+
+
+def _start_heartbeat(job: _Job) -> None:
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        warnings.warn("fusionring.ps: MPI runs without MPI_THREAD_MULTIPLE, so workers send no heartbeat: a "
+                      "worker that goes longer than the stall limit (FUSIONRING_PS_TIMEOUT_S) between pushes is "
+                      "taken for dead. Let mpi4py initialize MPI (its default is MPI_THREAD_MULTIPLE).",
+                      stacklevel=3)
+        return
+    limit = protocol.timeout_s()
+    job.heartbeat = _Heartbeat(job, protocol.heartbeat_interval(limit), send=limit is not None)
+    # before mpi4py's MPI_Finalize (atexit runs the last registered first): a process that exits without
+    # ps.shutdown() falls silent, and no beat races MPI's end
+    atexit.register(job.heartbeat.stop)
+
+
+def init_would_wait(comm: Any) -> Optional[str]:
+    """Why ``hvd.init(comm)`` in this process would wait forever (None when it would not): after
+    ``ps.init()``, on a communicator that holds server ranks, which serve inside ``ps.init()`` and never join
+    it. Called by fusionring's ``init()`` before it starts its runtime."""
+    if _job is None or not _holds_servers(_job, comm):
+        return None
+    return ("hvd.init() was called after ps.init(): the server ranks serve inside ps.init() and never join it, "
+            "so it would wait for them forever. Call hvd.init() on every rank before ps.init(), or leave it out "
+            "(the parameter server itself needs no hvd.init())")
+
+
+def _holds_servers(job: _Job, comm: Any) -> bool:
+    """Whether ``init(comm)`` needs the servers: every rank (None), a list of ranks (carved out of the world by
+    every rank), or a communicator with a server in it."""
+    if comm is None or isinstance(comm, (list, tuple)):
+        return True
+    try:
+        from mpi4py import MPI
+        group, world = comm.Get_group(), job.comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        group.Free()
+        world.Free()
+    except Exception:  # noqa: BLE001 -- not a communicator this check understands: let init() judge it
+        return False
+    return any(r is not None and 0 <= r < job.num_servers for r in ranks)
 
 
 _job: Optional[_Job] = None
@@ -73,6 +168,7 @@ def init(num_servers: int = 1) -> None:
         serve(comm, num_servers)
         sys.exit(0)
     _report_uncaught_exceptions()
+    _start_heartbeat(_job)
 
 
 def _report_uncaught_exceptions() -> None:
@@ -115,9 +211,10 @@ def num_workers() -> int:
 
 
 def stats() -> Dict[str, Any]:
-    """This worker's counters: pushes, waits (replies the server held back for the sync rule), staleness seen
-    (server updates between its pull and its gradient's update: max and mean), ``ahead_max`` (iterations ahead of
-    the slowest worker when answered), bytes sent and received, and the adaptive mode's group changes."""
+    """This worker's counters: pushes, waits (steps whose reply a server held back for the sync rule, one per step
+    however many servers held it), staleness seen (server updates between its pull and its gradient's update: max
+    and mean), ``ahead_max`` (iterations ahead of the slowest worker when answered), bytes sent and received, and
+    the adaptive mode's group changes."""
     if _job is None:
         raise NotInitializedError("ps.stats()")
     s = dict(_job.stats)
@@ -131,20 +228,23 @@ def shutdown() -> None:
     job = _job
     if job is None or job.closed or job.rank < job.num_servers:
         return
+    if job.heartbeat is not None:
+        job.heartbeat.stop()
     for server in protocol.server_ranks(job.num_servers):
         job.requests.append(job.comm.isend(Header(protocol.BYE), dest=server, tag=protocol.TAG_TO_SERVER))
     for r in job.requests:
         r.Wait()
     job.requests = []
-    job.closed = True
+    job.close()
 
 
 def save(path: str) -> None:
-    """Checkpoint the job: on worker 0, ask every server to write its parameters, optimizer state and sync
-    bookkeeping to ``<path>.server<s>`` and write ``path``, the index a new job loads with
-    ``opt.load_state_dict(torch.load(path))``. Every worker that calls it (worker 0 included) also writes its own
-    state, where it has any (compression residuals, layer selection), to ``<path>.worker<k>``; call it on every
-    worker so that none of them resumes without its residuals."""
+    """Checkpoint the job: on worker 0, ask every server to write its parameters, optimizer state, sync
+    bookkeeping (and server 0 the buffers) to ``<path>.server<s>`` and write ``path``, the index a new job loads
+    with ``opt.load_state_dict(torch.load(path))``; it also holds worker 0's param-group settings (the lr an LR
+    scheduler set). Every worker that calls it (worker 0 included) also writes its own state, where it has any
+    (compression residuals, layer selection), to ``<path>.worker<k>``; call it on every worker so that none of
+    them resumes without its residuals."""
     job = _require_worker("ps.save()")
     opt = job.optimizer
     if opt is None:
@@ -158,26 +258,32 @@ def save(path: str) -> None:
     files = [f"{path}.server{server}" for server in range(len(opt._shards))]
     opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
     torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files,
-                "worker_files": f"{path}.worker{{}}"}, path)
+                "worker_files": f"{path}.worker{{}}", "param_groups": opt._param_group_state()}, path)
 
 
-def _wait_reply(job: _Job, server: int, deadline: float,
+def _wait_reply(job: _Job, server: int, silence: Optional[float],
                 expect: str = protocol.PARAMS) -> Tuple[Header, Optional[np.ndarray]]:
-    """The next reply from ``server``; its error message raised as an error; silence past ``deadline`` an error."""
+    """The next reply from ``server``; its error message raised as an error. The server sends its heartbeat
+    while it makes this worker wait (the sync rule holds it back), so only ``silence`` seconds without a reply
+    or a heartbeat are an error (None: no limit)."""
     from mpi4py import MPI
     status = MPI.Status()
-    try:
-        protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
-                            deadline, lambda: f"server rank {server} did not answer worker "
-                                              f"{job.rank - job.num_servers} in {protocol.timeout_s() * 2:g} s: "
-                                              f"it died or stopped")
-    except StallError:
-        job.closed = True
-        protocol.exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
-        raise
-    header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
+    while True:
+        deadline = float("inf") if silence is None else time.monotonic() + silence
+        try:
+            protocol.poll_until(lambda: job.comm.Iprobe(source=server, tag=protocol.TAG_TO_WORKER, status=status),
+                                deadline, lambda: f"server rank {server} sent worker {job.rank - job.num_servers} "
+                                                  f"nothing, not even its heartbeat, for {silence:g} s: it died or "
+                                                  f"stopped")
+        except StallError:
+            job.close()
+            protocol.exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
+            raise
+        header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
+        if header.kind != protocol.HEARTBEAT:
+            break
     if header.kind == protocol.ERROR:
-        job.closed = True
+        job.close()
         protocol.exit_nonzero_without_finalize()
         raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
     if header.kind != expect:
@@ -195,6 +301,15 @@ def _report_failure(job: Any, error: BaseException) -> None:
     """Tell every server that this worker is ending on `error`: they fail the job on every rank with its
     message at once, instead of waiting out their time limit for a worker gone silent. This process then exits
     with status 1 (not waiting in MPI_Finalize for peers that may be gone)."""
+    if job.heartbeat is not None:
+        job.heartbeat.stop()
+    _send_failure(job, error)
+    job.close()
+    protocol.exit_nonzero_without_finalize()
+
+
+def _send_failure(job: Any, error: BaseException) -> None:
+    """The FAILED message to every server, waited for (briefly) so it leaves before this process ends."""
     worker = job.rank - job.num_servers
     text = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
     header = Header(protocol.FAILED, {"message": f"worker {worker} (rank {job.rank}): {text}",
@@ -205,8 +320,6 @@ def _report_failure(job: Any, error: BaseException) -> None:
     while requests and time.monotonic() < deadline:
         requests = [r for r in requests if not r.Test()]
         time.sleep(0.01)
-    job.closed = True
-    protocol.exit_nonzero_without_finalize()
 
 
 class DistributedOptimizer:
@@ -218,16 +331,25 @@ class DistributedOptimizer:
     (per-rank payloads are decoded on arrival; a shared N:M mask is refused).
     ``layer_selection``: a ``LayerSelection`` (as for ``fusionring.torch.DistributedOptimizer``): each worker pushes
     only its own top-k layers, the others accumulate on the worker (error feedback) and travel later.
+    ``named_buffers``: ``model.named_buffers()`` (BatchNorm's running statistics): every worker starts with worker
+    0's, takes worker 0's latest with each reply, and checkpoints hold them; without it each worker keeps its own,
+    never saved.
+
+    A parameter whose ``grad`` is None at ``step()`` (frozen, or unused this step) is not sent and, as torch's
+    optimizers skip it, not stepped by its push; sparse gradients travel dense.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  sync: str = "adaptive", staleness: int = 3, slack: Optional[float] = None,
-                 compression: Any = Compression.none, layer_selection: Any = None) -> None:
+                 compression: Any = Compression.none, layer_selection: Any = None,
+                 named_buffers: Optional[Iterable] = None) -> None:
         job = _require_worker("ps.DistributedOptimizer")
+        compression = resolve_compressor(compression)
         if job.optimizer is not None:  # this worker's job goes on with its first one
             raise ValueError("a parameter-server job has one ps.DistributedOptimizer per worker")
         named = self._check(optimizer, named_parameters, sync, staleness, slack, compression,
                             layer_selection)
+        buffers = self._check_buffers(named_buffers)
         # each worker picks its own layers (no agreement, as the server decodes every push on its own); the
         # layers it does not send wait in the selection's accumulator (error feedback)
         if layer_selection is not None:
@@ -242,6 +364,9 @@ class DistributedOptimizer:
         self._named = named
         self._params = dict(named)
         self._landing: Dict[str, torch.Tensor] = {}  # a GPU model's parameters arrive here
+        self._buffers = buffers
+        # server 0's replies carry worker 0's buffers as one packed part, received here
+        self._buffer_landing = torch.empty(sum(b.numel() * b.element_size() for _, b in buffers), dtype=torch.uint8)
         self._group_names = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         model = protocol.describe_model(named)
         nbytes = [p.numel() * p.element_size() for _, p in named]
@@ -253,10 +378,12 @@ class DistributedOptimizer:
         spec = payload.decoder_spec(compression)
         for server, shard in enumerate(self._shards):
             fields = {"model": model, "groups": groups, "optimizer": type(optimizer), "sync": sync,
-                      "staleness": staleness, "slack": slack, "decoder": spec}
+                      "staleness": staleness, "slack": slack, "decoder": spec,
+                      "buffers": protocol.describe_model(buffers) if server == 0 else []}
             data = None
-            if job.rank == job.num_servers:  # worker 0: the initial parameters
-                data = payload.pack([self._params[n] for n in shard])
+            if job.rank == job.num_servers:  # worker 0: the initial parameters (and, to server 0, buffers)
+                data = payload.pack([self._params[n] for n in shard] +
+                                    ([b for _, b in buffers] if server == 0 else []))
                 fields["nbytes"] = data.size
             self._send(server, Header(protocol.HELLO, fields), data)
         job.optimizer = self
@@ -290,7 +417,31 @@ class DistributedOptimizer:
                                      f"param group {i} is not among the named parameters")
         if layer_selection is not None and not callable(getattr(layer_selection, "attach", None)):
             raise ValueError(f"layer_selection: {layer_selection!r} is not a LayerSelection")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError("optimizer: torch.optim.SparseAdam steps sparse gradients only, and gradients reach "
+                             "the servers dense; use Adam (or SGD) instead")
         return named
+
+    @staticmethod
+    def _check_buffers(named_buffers: Optional[Iterable]) -> List[Tuple[str, torch.Tensor]]:
+        """``named_buffers`` as a list; ValueError naming the argument when it is not (name, tensor) pairs."""
+        if named_buffers is None:
+            return []
+        buffers = list(named_buffers)
+        for item in buffers:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise ValueError(f"named_buffers: expected (name, tensor) pairs such as model.named_buffers(), got "
+                                 f"{item!r:.80}")
+            try:
+                payload.tensor_dtype(str(item[1].dtype))
+            except ValueError:
+                raise ValueError(f"named_buffers: buffer {item[0]!r} is {item[1].dtype}, which cannot travel to a "
+                                 f"parameter server") from None
+        names = [n for n, _ in buffers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"named_buffers: names {sorted({n for n in names if names.count(n) > 1})} appear more "
+                             f"than once")
+        return buffers
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's face
     @property
@@ -316,33 +467,38 @@ class DistributedOptimizer:
         job = self._job
         limit = protocol.timeout_s()
         if first:  # the server waits for every worker's model description with the longer limit
-            limit = max(limit, float(settings().ps_timeout_s))
-        deadline = time.monotonic() + 2 * limit  # past the server's own limit on a dead peer
+            limit = protocol.longest(limit, settings().ps_timeout_s)
+        silence = protocol.times(2, limit)  # past the server's own limit on a dead peer
         headers = []
         for server, shard in enumerate(self._shards):
-            header, _ = _wait_reply(job, server, deadline)
+            header, _ = _wait_reply(job, server, silence)
             headers.append(header)
             targets = [self._params[n].data for n in shard]
             # a GPU model's parameters arrive in host memory first, then are copied to their device
             landing = [t if t.device.type == "cpu" else self._staging(n, t) for n, t in zip(shard, targets)]
+            if server == 0 and self._buffers:
+                landing.append(self._buffer_landing)
             received = payload.recv_into(job.comm, landing, server, protocol.TAG_TO_WORKER_DATA)
             with torch.no_grad():
                 for target, landed in zip(targets, landing):
                     if landed is not target:
                         target.copy_(landed)  # before the buffer takes the next reply
+            if server == 0 and self._buffers:
+                payload.unpack_into(self._buffer_landing.numpy(), [b.data for _, b in self._buffers])
             if received != header.fields["nbytes"]:
                 raise FusionRingError(f"server rank {server} sent {header.fields['nbytes']} bytes of parameters, "
                                       f"worker {job.rank - job.num_servers} received {received}")
             job.stats["bytes_received"] += received
             f = header.fields
             if self._iteration > 0:
-                job.stats["waits"] += int(f["held"])
                 job.stats["staleness_max"] = max(job.stats["staleness_max"], f["staleness"])
                 job.stats["staleness_sum"] += f["staleness"] if server == 0 else 0
                 job.stats["ahead_max"] = max(job.stats["ahead_max"], f["ahead"])
             if f["changes"]:
                 job.stats["group_changes"] = f["changes"]
             job.stats["version"] = f["version"]
+        if self._iteration > 0:  # one wait per step, however many servers held it back
+            job.stats["waits"] += int(any(h.fields["held"] for h in headers))
         for r in job.requests:
             r.Wait()
         job.requests = []
@@ -367,18 +523,34 @@ class DistributedOptimizer:
                 loss = closure()
         self._iteration += 1
         hyper = [self._hyper(g) for g in self.optimizer.param_groups]
-        dense = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named}
-        sending = self._select(dense) if self.layer_selection is not None else dense
+        grads = self._gradients()
+        kept: set = set()
+        sending = grads
+        if self.layer_selection is not None:
+            sending, kept = self._select(grads)
+        # worker 0's buffers go to server 0 with each push, and come back to every worker with the replies
+        buffers = payload.pack([b for _, b in self._buffers]) \
+            if self._buffers and job.rank == job.num_servers else None
         for server, shard in enumerate(self._shards):
             # a GPU model's gradients are encoded on the host: the servers decode them there
-            grads = [(n, sending[n].cpu()) for n in shard if n in sending]
-            layout, parts = payload.encode_parts(self.compression, grads)
+            named = [(n, sending[n].cpu()) for n in shard if n in sending]
+            layout, parts = payload.encode_parts(self.compression, named)
             nbytes = sum(p.size for p in parts)
-            self._send(server, Header(protocol.PUSH, {"iteration": self._iteration, "hyper": hyper,
-                                                      "layout": layout, "nbytes": nbytes}), None)
+            # the parameters with no gradient at all this step (not those layer selection keeps back): the server
+            # leaves them out of this push's update, and out of bsp's average
+            absent = protocol.absent_bitmap(shard, {n for n in shard if n not in sending and n not in kept})
+            fields = {"iteration": self._iteration, "hyper": hyper, "layout": layout, "nbytes": nbytes,
+                      "absent": absent}
+            if server == 0 and buffers is not None:
+                fields["buffers"] = buffers.size
+            self._send(server, Header(protocol.PUSH, fields), None)
             job.requests.extend(payload.send_parts(job.comm, parts, server, protocol.TAG_TO_SERVER_DATA))
             self._in_flight.extend(parts)  # sent from this memory: keep it alive until the sends complete
             job.stats["bytes_sent"] += nbytes
+            if server == 0 and buffers is not None:
+                job.requests.append(job.comm.Isend(buffers, dest=0, tag=protocol.TAG_TO_SERVER_DATA))
+                self._in_flight.append(buffers)
+                job.stats["bytes_sent"] += buffers.size
         job.stats["pushes"] += 1
         self._receive_params()
         # The wrapped optimizer's step ran on the servers. A learning-rate scheduler on it checks that its
@@ -407,7 +579,12 @@ class DistributedOptimizer:
         replies = self._ask_servers(protocol.STATE, [{} for _ in self._shards], protocol.STATE)
         servers = [torch.load(io.BytesIO(data.tobytes()), weights_only=False) for _, data in replies]
         return {"format": STATE_FORMAT, "num_servers": len(self._shards), "shards": self._shards,
-                "servers": servers, "worker": self._worker_state()}
+                "servers": servers, "worker": self._worker_state(), "param_groups": self._param_group_state()}
+
+    def _param_group_state(self) -> List[dict]:
+        """The wrapped optimizer's param-group settings as they are now (an LR scheduler's lr included), which a
+        resumed worker restores as ``torch.optim.Optimizer.load_state_dict`` does."""
+        return [self._hyper(g) for g in self.optimizer.param_groups]
 
     def _worker_state(self) -> Dict[str, Any]:
         """What lives on this worker alone: its index, its compressor's residuals, its layer selection."""
@@ -442,7 +619,8 @@ class DistributedOptimizer:
         """Resume from ``state_dict()`` or from the file ``ps.save`` wrote (``torch.load(path)``). Every worker
         calls it, right after building this optimizer and before its first ``step()``; the servers take worker
         0's state (a saved file is read by each server itself) and answer every worker with the restored
-        parameters, its iteration and epoch count."""
+        parameters (and buffers), its iteration and epoch count. The wrapped optimizer's param-group settings
+        (the lr an LR scheduler set included) are restored as ``torch.optim.Optimizer.load_state_dict`` does."""
         job = _require_worker("DistributedOptimizer.load_state_dict()")
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
             raise ValueError("state_dict: not a parameter-server state (from DistributedOptimizer.state_dict() or "
@@ -450,6 +628,10 @@ class DistributedOptimizer:
         if state_dict["num_servers"] != len(self._shards) or state_dict["shards"] != self._shards:
             raise ValueError(f"state_dict: saved with {state_dict['num_servers']} servers holding "
                              f"{state_dict['shards']}, this job has {len(self._shards)} holding {self._shards}")
+        groups = state_dict.get("param_groups")
+        if groups is not None and len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"state_dict: saved with {len(groups)} param groups, this optimizer has "
+                             f"{len(self.optimizer.param_groups)}")
         mine = job.rank == job.num_servers
         for server in range(len(self._shards)):
             fields = {"state": state_dict["servers"][server]} if mine else {}
@@ -458,18 +640,41 @@ class DistributedOptimizer:
         self._iteration = int(headers[0].fields["iteration"])
         self._epoch = int(headers[0].fields["epoch"])
         self._restore_worker_state(state_dict)
+        # the learning rate (and every other setting) where the saved run left it: the next push carries it to
+        # the servers, as an uninterrupted run's would
+        for group, saved in zip(self.optimizer.param_groups, groups or []):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
-    def _select(self, dense: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """This worker's own top-k layers: their gradients plus what they kept back travel; the others wait."""
+    def _gradients(self) -> Dict[str, torch.Tensor]:
+        """This step's gradients by name, dense. A parameter whose ``grad`` is None (frozen, or unused this
+        step) has none: torch's optimizers skip it, and so does its push."""
+        out: Dict[str, torch.Tensor] = {}
+        for n, p in self._named:
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:  # sparse (nn.Embedding(sparse=True)): travels dense
+                g = g.to_dense()
+            out[n] = g
+        return out
+
+    def _select(self, grads: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], set]:
+        """This worker's own top-k layers: their gradients plus what they kept back travel; the others wait.
+        Returns what travels and the names kept back on the worker."""
         sel = self.layer_selection
-        summed = {n: sel.acc.add(n, g.detach()) for n, g in dense.items() if n in sel.params}
+        summed = {}
+        for n in sel.params:
+            if n in grads:
+                summed[n] = sel.acc.add(n, grads[n].detach())
+            elif n in sel.acc.residual:  # no gradient this step, but an earlier one still waits to travel
+                summed[n] = sel.acc.residual[n]
         chosen = sel.choose(sel.scores(summed))
         sel.step_count += 1
         sent = {n for i in chosen for n in sel.layers[i]}
         sel.acc.settle(chosen, sel.layers, summed)
         out = {n: g for n, g in summed.items() if n in sent}
-        out.update({n: g for n, g in dense.items() if n not in sel.params})  # parameters it does not select
-        return out
+        out.update({n: g for n, g in grads.items() if n not in sel.params})  # parameters it does not select
+        return out, {n for n in summed if n not in sent}
 
     def end_epoch(self) -> None:
         """Tell the servers this worker completed an epoch (adaptive mode re-decides its groups on these)."""

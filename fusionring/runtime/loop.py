@@ -21,7 +21,8 @@ from ..exceptions import FusionRingError, StallError, TensorMismatchError
 from ..negotiation import Negotiator, Ready, TensorSpec
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
 from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
-from ..timeline import LaneView, Timeline
+from ..timeline import Failure as TimelineFailure, LaneView, Timeline, TimelineError
+from ..timeline import open_failure, timeline_variable
 from .allreduce import (AllreduceOps, CompressedAllreduce, NcclAllreduce, RingAllreduce,
                         SharedMemoryAllreduce, lane)
 from .collectives import MpiCollectives
@@ -65,6 +66,27 @@ class Runtime:
         # Separate communicators: user code may use COMM_WORLD freely alongside us.
         self._control_comm = base.Dup()
         self._data_comm = base.Dup()
+        # The process's timeline file belongs to the global runtime; a process set's runtime
+        # (timeline_owner: the global one) records into it, on lanes named for its ranks.
+        self._timeline_owner = timeline_owner
+        self._own_timeline: Optional[Timeline] = None
+        if timeline_owner is None:
+            # Every rank learns whether rank 0 could open the file, so that all of them fail
+            # here together instead of rank 0 alone while the others wait in a collective.
+            failure: Optional[TimelineFailure] = None
+            path = self.config.timeline_path
+            if path and base.Get_rank() == 0:
+                try:
+                    self._own_timeline = Timeline(path,
+                                                  mark_cycles=self.config.timeline_mark_cycles)
+                except OSError as exc:
+                    failure = open_failure(exc, path, f"{timeline_variable()}={path!r}")
+            failure = self._control_comm.bcast(failure, root=0)
+            if failure is not None:
+                for comm in (self._control_comm, self._data_comm):
+                    comm.Free()
+                raise TimelineError(*failure)
+        self._timeline_view: Optional[LaneView] = None
         self.layout = HostLayout.gather(base, MPI)
         self.rank, self.size = self.layout.rank, self.layout.size
         self.local_rank, self.local_size = self.layout.local_rank, self.layout.local_size
@@ -98,14 +120,6 @@ class Runtime:
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._group_labels = itertools.count()
-        # The process's timeline file belongs to the global runtime; a process set's runtime
-        # (timeline_owner: the global one) records into it, on lanes named for its ranks.
-        self._timeline_owner = timeline_owner
-        self._own_timeline = (Timeline(self.config.timeline_path,
-                                       mark_cycles=self.config.timeline_mark_cycles)
-                              if self.config.timeline_path and self.rank == 0
-                              and timeline_owner is None else None)
-        self._timeline_view: Optional[LaneView] = None
         self.stats = Stats()
 
         self._lock = threading.Lock()
@@ -344,16 +358,38 @@ class Runtime:
             except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
                 pass
 
-    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
-        """Record a Chrome-trace timeline to `path` from now on (written by rank 0 only);
-        a timeline already being recorded is closed first."""
+    def start_timeline(self, path: str, mark_cycles: bool = False,
+                       agree: Optional[Callable[[Optional[TimelineFailure]],
+                                                Optional[TimelineFailure]]] = None) -> None:
+        """Record a Chrome-trace timeline to `path` from now on (written by rank 0 only).
+
+        As in Horovod, the file being recorded goes on (with `mark_cycles` from now) when `path`
+        names it, and is closed when `path` names another. `agree` hands rank 0's failure to
+        open `path` (None when it could) to every rank: a broadcast, called on every rank. When
+        it failed, every rank raises TimelineError and recording goes on as before (without
+        `agree`, rank 0 alone raises).
+        """
         if self._timeline_owner is not None:  # one file per process: the global runtime's
-            return self._timeline_owner.start_timeline(path, mark_cycles)
-        if self.rank != 0:
-            return
-        old, self._own_timeline = self._own_timeline, Timeline(path, mark_cycles=mark_cycles)
-        if old is not None:
-            old.close()
+            return self._timeline_owner.start_timeline(path, mark_cycles, agree)
+        failure: Optional[TimelineFailure] = None
+        opened: Optional[Timeline] = None
+        current = self._own_timeline
+        if self.rank == 0:
+            if current is not None and current.writes_to(path):
+                current.mark_cycles = mark_cycles
+            else:
+                try:
+                    opened = Timeline(path, mark_cycles=mark_cycles)
+                except OSError as exc:
+                    failure = open_failure(exc, path, f"start_timeline({path!r})")
+        if agree is not None:
+            failure = agree(failure)
+        if failure is not None:
+            raise TimelineError(*failure)
+        if opened is not None:
+            self._own_timeline = opened
+            if current is not None:
+                current.close()
 
     def stop_timeline(self) -> None:
         """Stop recording and close the timeline file (no-op when none is recorded)."""

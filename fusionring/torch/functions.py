@@ -1283,8 +1283,13 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording a Chrome-trace timeline to `file_path` (rank 0 writes it).
 
     Same file format as ``FUSIONRING_TIMELINE``; `mark_cycles` adds a marker per cycle.
+    Missing directories are created. Called again with the file being recorded, recording
+    goes on in it; with another file, the first is closed. As in Horovod it is no collective
+    (a script may call it on rank 0 alone): when rank 0 cannot open the file, rank 0 raises
+    ``OSError`` naming it and the recording goes on as before.
     """
-    _rt.get("start_timeline()").start_timeline(file_path, mark_cycles=mark_cycles)
+    runtime = _rt.global_runtime("start_timeline()")
+    runtime.start_timeline(str(file_path), mark_cycles=mark_cycles)  # a str or a pathlib.Path
 
 
 def stop_timeline() -> None:
