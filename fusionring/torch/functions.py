@@ -1184,6 +1184,18 @@ def _failure_note(what: str, obj: Any, exc: BaseException) -> torch.Tensor:
     return torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8)
 
 
+def _pickled(what: str, obj: Any) -> Tuple[torch.Tensor, Optional[BaseException], int]:
+    """(bytes to send, the pickling error or None, the size to announce). When `obj` cannot be
+    pickled, the bytes are a message for the other ranks and the size is negative: they still
+    run the same collectives (none is left waiting, names stay aligned) and raise it."""
+    try:
+        payload = _to_bytes(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling an arbitrary object raises
+        note = _failure_note(what, obj, exc)
+        return note, exc, -note.numel()
+    return payload, None, payload.numel()
+
+
 @_routed
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=None) -> Any:
@@ -1197,16 +1209,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     base = name or f"object{AUTO_NAME_MARK}{next(_object_broadcasts)}"
     is_root = _global_rank() == root_rank
     failure: Optional[BaseException] = None
-    payload = torch.empty(0, dtype=torch.uint8)
+    payload, size_ = torch.empty(0, dtype=torch.uint8), 0
     if is_root:
-        try:
-            payload = _to_bytes(obj)
-        except Exception as exc:  # noqa: BLE001 - whatever pickling an arbitrary object raises
-            failure = exc
-            payload = _failure_note("broadcast_object", obj, exc)
-    # A negative size says the data is root's failure message rather than the object: every
-    # rank still runs the same two broadcasts, so none is left waiting and names stay aligned.
-    size_ = payload.numel() if failure is None else -payload.numel()
+        payload, failure, size_ = _pickled("broadcast_object", obj)
     length = broadcast_(torch.tensor([size_], dtype=torch.int64), root_rank, name=f"{base}.size")
     size_ = int(length.item())
     if not is_root:
@@ -1229,14 +1234,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     object raises that error, and the others a ``RuntimeError`` naming it.
     """
     base = name or f"object.{type(obj).__name__}"
-    failure: Optional[BaseException] = None
-    try:
-        payload = _to_bytes(obj)
-    except Exception as exc:  # noqa: BLE001 - whatever pickling an arbitrary object raises
-        failure = exc
-        payload = _failure_note("allgather_object", obj, exc)
-    # As in broadcast_object: a negative size marks a failure message, and both gathers run.
-    size_ = payload.numel() if failure is None else -payload.numel()
+    payload, failure, size_ = _pickled("allgather_object", obj)
     sizes = synchronize(allgather_async(torch.tensor([size_], dtype=torch.int64),
                                         name=f"{base}.sizes"))
     gathered = synchronize(allgather_async(payload, name=f"{base}.data"))
