@@ -58,14 +58,12 @@ class _Heartbeat:
 
     So a worker that is busy elsewhere for a long time (evaluation, writing a checkpoint, a slow data loader) is
     never taken for dead, while one whose process died, whose interpreter is frozen (a call holding the GIL, a
-    deadlock of the whole process) or that exited without ``ps.shutdown()`` falls silent. The same thread ends a
-    worker whose main thread entered ``hvd.init()`` after ``ps.init()``, which would wait forever for the servers.
-    Needs MPI_THREAD_MULTIPLE (mpi4py's default)."""
+    deadlock of the whole process) or that exited without ``ps.shutdown()`` falls silent. Started only when
+    there is a time limit (nobody reads the beats otherwise). Needs MPI_THREAD_MULTIPLE (mpi4py's default)."""
 
-    def __init__(self, job: _Job, interval: float, send: bool) -> None:
+    def __init__(self, job: _Job, interval: float) -> None:
         self.job = job
         self.interval = interval
-        self.send = send  # without a time limit nobody reads the beats; the hvd.init() check still runs
         self.done = threading.Event()
         self.requests: List[Any] = []
         self.thread = threading.Thread(target=self._run, name="fusionring-ps-heartbeat", daemon=True)
@@ -73,8 +71,7 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while True:
-            if self.send:
-                self._beat()
+            self._beat()
             if self.done.wait(self.interval):
                 return
 
@@ -99,14 +96,16 @@ class _Heartbeat:
 
 def _start_heartbeat(job: _Job) -> None:
     from mpi4py import MPI
+    limit = protocol.timeout_s()
+    if limit is None:  # no limit: silence is never taken for death
+        return
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         warnings.warn("fusionring.ps: MPI runs without MPI_THREAD_MULTIPLE, so workers send no heartbeat: a "
                       "worker that goes longer than the stall limit (FUSIONRING_PS_TIMEOUT_S) between pushes is "
                       "taken for dead. Let mpi4py initialize MPI (its default is MPI_THREAD_MULTIPLE).",
                       stacklevel=3)
         return
-    limit = protocol.timeout_s()
-    job.heartbeat = _Heartbeat(job, protocol.heartbeat_interval(limit), send=limit is not None)
+    job.heartbeat = _Heartbeat(job, protocol.heartbeat_interval(limit))
     # before mpi4py's MPI_Finalize (atexit runs the last registered first): a process that exits without
     # ps.shutdown() falls silent, and no beat races MPI's end
     atexit.register(job.heartbeat.stop)
