@@ -252,7 +252,10 @@ void decode_scalar(const std::uint8_t* ids, std::size_t begin, std::size_t count
     const float v = means[off[id] + slot_of(i, nb[id])];
     if (Mode == 0) out[i] = v;
     if (Mode == 1) out[i] += v;
-    if (Mode == 2) out[i] = x[i] - v;
+    if (Mode == 2) {  // a residual that is not finite is kept as 0, as N:M's
+      const float r = x[i] - v;
+      out[i] = std::isfinite(r) ? r : 0.0f;
+    }
   }
 }
 
@@ -516,7 +519,12 @@ FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
     }
     if (Mode == 0) _mm256_storeu_ps(out + i, v);
     if (Mode == 1) _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), v));
-    if (Mode == 2) _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), v));
+    if (Mode == 2) {
+      const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(x + i), v);
+      const __m256 magnitude = _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+      _mm256_storeu_ps(out + i,
+                       _mm256_and_ps(r, _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ)));
+    }
   }
   return i;
 }

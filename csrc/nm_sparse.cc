@@ -21,6 +21,11 @@
 namespace fusionring {
 namespace {
 
+// A residual that is not finite (a non-finite gradient, or a value beyond the wire format's
+// range, which arrives as inf) is kept as 0: carried on, it would spoil every later step of
+// its element, and a step that overflowed on purpose (a loss scaler's probe) must not.
+inline float finite_or_zero(float r) { return std::isfinite(r) ? r : 0.0f; }
+
 // ------------------------------------------------------------------ value codecs (scalar)
 struct F32 {
   using T = float;
@@ -32,13 +37,13 @@ struct F16 {
   using T = std::uint16_t;
   static T encode(float x) { return float_to_half(x); }
   static float decode(T v) { return half_to_float(v); }
-  static float residual(float x) { return x - decode(encode(x)); }
+  static float residual(float x) { return finite_or_zero(x - decode(encode(x))); }
 };
 struct BF16 {
   using T = std::uint16_t;
   static T encode(float x) { return float_to_bf16(x); }
   static float decode(T v) { return bf16_to_float(v); }
-  static float residual(float x) { return x - decode(encode(x)); }
+  static float residual(float x) { return finite_or_zero(x - decode(encode(x))); }
 };
 
 // Magnitude key: the bits of |x| as an unsigned integer (ordered like |x|; NaN above inf).
@@ -113,7 +118,7 @@ std::size_t compact_scalar(const float* x, std::size_t begin, std::size_t count,
   if (residual) {
     for (std::size_t i = begin; i < count; ++i) {
       const float xi = x[i];
-      residual[i] = bit_at(mask, i) ? V::residual(xi) : xi;
+      residual[i] = bit_at(mask, i) ? V::residual(xi) : finite_or_zero(xi);
     }
   }
   return o;
@@ -157,11 +162,19 @@ constexpr Lut make_lut(bool expand) {
 constexpr Lut kCompressLut = make_lut(false);
 constexpr Lut kExpandLut = make_lut(true);
 
+// finite_or_zero, eight lanes at a time.
+FR_AVX2 inline __m256 finite8(__m256 r) {
+  const __m256 magnitude = _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return _mm256_and_ps(r, _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ));
+}
+
 template <class V> struct Vec;
 template <> struct Vec<F32> {
   FR_AVX2 static void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
   FR_AVX2 static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) { return _mm256_andnot_ps(keep, x); }
+  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {
+    return finite8(_mm256_andnot_ps(keep, x));
+  }
 };
 template <> struct Vec<F16> {
   FR_AVX2 static __m128i narrow(__m256 v) {
@@ -174,7 +187,7 @@ template <> struct Vec<F16> {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {
-    return _mm256_sub_ps(x, _mm256_and_ps(_mm256_cvtph_ps(narrow(x)), keep));
+    return finite8(_mm256_sub_ps(x, _mm256_and_ps(_mm256_cvtph_ps(narrow(x)), keep)));
   }
 };
 template <> struct Vec<BF16> {
@@ -200,7 +213,7 @@ template <> struct Vec<BF16> {
     return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {
-    return _mm256_sub_ps(x, _mm256_and_ps(widen(narrow(x)), keep));
+    return finite8(_mm256_sub_ps(x, _mm256_and_ps(widen(narrow(x)), keep)));
   }
 };
 
@@ -362,12 +375,18 @@ FR_AVX2 void scatter_avx2(const typename V::T* values, const std::uint64_t* mask
 // kept values and the loops need no room check), and decode expands in register.
 #define FR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,popcnt,bmi")))
 
+// finite_or_zero, sixteen lanes at a time.
+FR_AVX512 inline __m512 finite16(__m512 r) {
+  return _mm512_maskz_mov_ps(
+      _mm512_cmp_ps_mask(_mm512_abs_ps(r), _mm512_set1_ps(HUGE_VALF), _CMP_LT_OQ), r);
+}
+
 template <class V> struct Vec512;
 template <> struct Vec512<F32> {
   FR_AVX512 static void store(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
   FR_AVX512 static __m512 load(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
   FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {
-    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~keep), x);
+    return finite16(_mm512_maskz_mov_ps(static_cast<__mmask16>(~keep), x));
   }
 };
 template <> struct Vec512<F16> {
@@ -381,7 +400,7 @@ template <> struct Vec512<F16> {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
   }
   FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {
-    return _mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(narrow(x))));
+    return finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(narrow(x)))));
   }
 };
 template <> struct Vec512<BF16> {
@@ -405,7 +424,7 @@ template <> struct Vec512<BF16> {
     return widen(_mm256_maskz_loadu_epi16(k, p));
   }
   FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {
-    return _mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, widen(narrow(x))));
+    return finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, widen(narrow(x)))));
   }
 };
 

@@ -56,6 +56,10 @@ struct BF16 {
 
 // Whether this lane's element is kept. Lanes past `count` have key 0 at higher indices than
 // every real member of their group, so they never beat one (the tail keeps min(N, L)).
+// As on the CPU: a residual that is not finite is kept as 0, so one overflowing step does not
+// spoil every later one.
+__device__ __forceinline__ float finite_or_zero(float r) { return isfinite(r) ? r : 0.0f; }
+
 __device__ __forceinline__ bool lane_keeps(std::uint32_t key, int lane, int n, int m) {
   const int base = lane & ~(m - 1);
   const int mine = lane - base;
@@ -86,7 +90,7 @@ __global__ void select_kernel(const float* __restrict__ src, std::size_t count, 
                            static_cast<std::size_t>(__popc(ballot & ((1u << lane) - 1u)));
     values[at] = V::encode(x);
   }
-  if (residual) residual[i] = keep ? x - V::decode(V::encode(x)) : x;
+  if (residual) residual[i] = finite_or_zero(keep ? x - V::decode(V::encode(x)) : x);
 }
 
 template <class V>
@@ -104,7 +108,7 @@ __global__ void gather_kernel(const float* __restrict__ src, std::size_t count, 
                            static_cast<std::size_t>(__popc(word & ((1u << lane) - 1u)));
     values[at] = V::encode(x);
   }
-  if (residual) residual[i] = keep ? x - V::decode(V::encode(x)) : x;
+  if (residual) residual[i] = finite_or_zero(keep ? x - V::decode(V::encode(x)) : x);
 }
 
 template <class V>

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 
 from .config import launcher_world_size, mpi_launch_variable, settings
 from .exceptions import FusionRingError, NotInitializedError
+from . import process_exit
 from .runtime import Runtime, close_shared_memory
 
 _runtime: Optional[Runtime] = None  # the global runtime, after init()
@@ -102,6 +103,7 @@ def init(comm=None) -> Runtime:
     elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
         _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
+    process_exit.recovered()   # every rank of the new runtime is back: end as usual
     _record_process(MPI.COMM_WORLD.Get_rank())
     if not _atexit_registered:
         # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.

@@ -368,3 +368,20 @@ def test_state_dict_resumes_the_residuals_and_the_sampling_position():
         assert torch.equal(pa, pb)
     with pytest.raises(ValueError, match="configuration"):
         Compression.cluster(k=8).load_state_dict(state)
+
+
+def test_a_residual_that_is_not_finite_is_kept_as_zero():
+    """inf and NaN gradients leave a residual of 0 (carried on they would spoil every later
+    step); elsewhere the residual is the input minus what was sent."""
+    torch.manual_seed(0)
+    x = torch.randn(5000)
+    x[::97] = float("inf")
+    x[1::89] = float("nan")
+    c = ClusterCompressor(k=4, sample=64)
+    payload, ctx = c.compress(x, name="w")
+    sent = c.decompress(payload, ctx)
+    residual = c.memory.residuals["w"].reshape(-1)
+    assert torch.isfinite(residual).all()
+    want = x - sent
+    want[~torch.isfinite(want)] = 0
+    torch.testing.assert_close(residual, want, rtol=0, atol=0)

@@ -160,7 +160,15 @@ class RefNM:
         sent = [np.where(k, h, 0).astype(np.float32) for k, h in zip(keeps, half)]
         for store, x, s in zip(self.res, xs, sent):
             store[key] = (x - s).astype(np.float32)
-        avg = (np.sum(sent, axis=0, dtype=np.float32) / np.float32(self.size)).astype(np.float32)
+        if self.shared:
+            # float16 values are divided by the power of two at or above the group's size
+            # before their sum (exact here), the rest of the average follows in float32.
+            shift = 1 << (self.size - 1).bit_length()
+            avg = np.sum([s / np.float32(shift) for s in sent], axis=0, dtype=np.float32)
+            if shift != self.size:
+                avg = (avg * np.float32(shift / self.size)).astype(np.float32)
+        else:
+            avg = (np.sum(sent, axis=0, dtype=np.float32) / np.float32(self.size)).astype(np.float32)
         if self.shared:
             if st["est"] is None or self.n == self.m:
                 st["est"], st["wait"] = avg.copy(), np.zeros(count, np.float32)
@@ -308,7 +316,7 @@ def add(sums, flat, members):
 
 def probe(state, bucket):
     members = [(names[id(p)], p.numel()) for p in bucket.parameters()]
-    layouts[hooks.bucket_key(bucket)] = members
+    layouts[state.key_of(bucket)] = members
     add(sent, bucket.buffer().detach().reshape(-1), members)
 
     def after(f):

@@ -1,4 +1,6 @@
 """Bad input fails clearly on every rank, and the library keeps working afterwards."""
+import time
+
 import pytest
 
 from conftest import run_ranks
@@ -184,6 +186,9 @@ if r == 0:
     except hvd.FusionRingError as exc:
         report({"error": str(exc), "after_s": time.monotonic() - start,
                 "stall": isinstance(exc, hvd.StallError)})
+    # More work before the end (the process then ends failed, without MPI_Finalize, and the
+    # launcher ends the job): meanwhile rank 1 asks for an operation.
+    time.sleep(6)
 else:
     time.sleep(4)
     try:
@@ -528,3 +533,25 @@ def test_data_loader_workers_that_import_the_script_again(context, tmp_path):
     assert "which multiprocessing started from MPI rank" in output
     assert "if __name__ == '__main__':" in output
     assert "PMIU_write error" not in output and "PMI_Init failed" not in output
+
+
+STALL_UNCAUGHT = r'''
+import time
+import torch
+import fusionring.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(90)          # alive, but never submits: rank 0's allreduce stalls
+hvd.allreduce(torch.ones(2), name="lonely")
+'''
+
+
+def test_a_rank_that_stalls_ends_the_job_failed_instead_of_holding_it(tmp_path):
+    """After the stall limit rank 0 raises StallError, uncaught; it must then leave at once
+    with a failure (the stalled rank would hold MPI_Finalize, so the launcher would never
+    learn of it), and the launcher ends the job."""
+    started = time.monotonic()
+    _, code, output = run_ranks(2, STALL_UNCAUGHT, tmp_path, timeout=80, expect_failure=True,
+                                env={"FUSIONRING_STALL_SHUTDOWN_S": "2"})
+    assert code != 0 and "StallError" in output
+    assert time.monotonic() - started < 45, output[-2000:]

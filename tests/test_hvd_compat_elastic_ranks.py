@@ -189,3 +189,41 @@ def test_elastic_sampler_state_dict_is_horovods(np_, tmp_path):
         assert got["indices form"] == [{"epoch": 1, "processed_num": done}, reference[r]]
         count, indices, loaded, same = got["out of order"]
         assert count == 3 and indices == [1, 5, 9] and loaded == [1, 5, 9] and same
+
+
+RECORD_AFTER_RESTORE = r'''
+import fusionring.torch as hvd
+hvd.init()
+P = hvd.size()
+N, BATCH = 8 * P, 2
+s = hvd.elastic.ElasticSampler(list(range(N)), shuffle=True, seed=3)
+state = hvd.elastic.TorchState(sampler=s)
+state.sync()
+s.set_epoch(2)
+s.record_batch(0, BATCH)
+s.record_batch(1, BATCH)
+state.commit()
+s.record_batch(2, BATCH)
+s.record_batch(3, BATCH)
+counts = [s.processed_num]
+state.restore()
+counts.append(s.processed_num)
+s.record_batch(2, BATCH)       # the loader's count goes on; the sampler marks the next batch
+counts.append(s.processed_num)
+state.commit()
+state.sync()
+counts.append(s.processed_num)
+report({"counts": counts, "len": len(s), "mine": list(s)})
+'''
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_record_batch_counts_batches_as_horovod_does_whatever_their_index(np_, tmp_path):
+    """Horovod's record_batch adds batch_size * size() to processed_num and ignores batch_idx
+    (a data loader's count that goes on after a restore must not skip or lose samples)."""
+    results = run_ranks(np_, RECORD_AFTER_RESTORE, tmp_path, timeout=60)
+    step = 2 * np_
+    reference = horovod_sampler(8 * np_, np_, 3, 2, 3 * step)
+    for r, got in enumerate(results):
+        assert got["counts"] == [4 * step, 2 * step, 3 * step, 3 * step]
+        assert got["len"] == len(reference[r]) and got["mine"] == reference[r]

@@ -204,3 +204,51 @@ def test_synchronize_of_a_finished_or_unknown_handle_returns_none(tmp_path):
     # Horovod's synchronize() returns None for a handle it does not hold (mpi_ops.py).
     for got in run_ranks(2, SYNCHRONIZE, tmp_path, timeout=60):
         assert got == {"first": [2.0, 2.0], "again": "None", "unknown": "None", "after": 2.0}
+
+
+SETS_AND_GROUPS = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+low = hvd.add_process_set([0, 1])
+out = {}
+# An unnamed broadcast_object within a set that rank 2 is not in, then global ones: each set
+# numbers its own unnamed calls, as Horovod's per-set negotiation does.
+if r in (0, 1):
+    out["in set"] = hvd.broadcast_object({"from": r}, root_rank=0, process_set=low)
+out["global"] = hvd.broadcast_object({"from": r}, root_rank=0)
+out["global again"] = hvd.broadcast_object([r], root_rank=2)
+
+# broadcast_optimizer_state on the optimizer inside a DistributedOptimizer: the wrapper (and
+# a scheduler on it) keeps seeing the groups that step.
+model = torch.nn.Linear(4, 1)
+base = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(base, root_rank=0)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+lrs = []
+for step in range(3):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    lrs.append([base.param_groups[0]["lr"], opt.param_groups[0]["lr"]])
+out["lrs"] = lrs
+out["same groups"] = opt.param_groups is base.param_groups and opt.state is base.state
+out["weights"] = model.weight.detach().tolist()
+report(out)
+'''
+
+
+def test_unnamed_object_broadcasts_count_per_process_set_and_broadcast_optimizer_state_keeps_groups(tmp_path):
+    results = run_ranks(3, SETS_AND_GROUPS, tmp_path, timeout=60,
+                        env={"FUSIONRING_STALL_SHUTDOWN_S": "20"})
+    for r, out in enumerate(results):
+        if r < 2:
+            assert out["in set"] == {"from": 0}
+        assert out["global"] == {"from": 0} and out["global again"] == [2]
+        assert out["lrs"] == [[0.05, 0.05], [0.025, 0.025], [0.0125, 0.0125]]
+        assert out["same groups"] is True
+        assert out["weights"] == results[0]["weights"]

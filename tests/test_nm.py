@@ -458,3 +458,27 @@ def test_pipeline_hands_on_a_stage_error_after_the_helper_is_done(monkeypatch):
     monkeypatch.setattr(pipeline, "_helper", Refusing())
     events, error = _run_pipeline(3)
     assert error is None and len(events) == 9
+
+
+@pytest.mark.parametrize("values", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_residual_that_is_not_finite_is_kept_as_zero(kernel_path, values):
+    """Gradients that are not finite, or (float16) beyond the values' range, leave a residual of
+    0 there; every other element's residual is x minus what was sent, as always."""
+    count = 4099
+    x = sample(count, seed=5)
+    x[::7] = 1e5          # beyond float16's range
+    x[3::11] = np.inf
+    x[5::13] = -np.inf
+    x[6::17] = np.nan
+    xt = torch.from_numpy(x)
+    for n, m in [(2, 4), (1, 8), (4, 4)]:
+        residual = torch.full((count,), 7.0)
+        kept, mask = nmlib.compress_values(xt, n, m, values, residual=residual)
+        sent = nmlib.scatter(kept, mask, count).numpy()
+        with np.errstate(invalid="ignore"):
+            want = (x - sent).astype(np.float32)
+        want[~np.isfinite(want)] = 0.0
+        np.testing.assert_array_equal(residual.numpy(), want)
+        again = torch.full((count,), 7.0)
+        nmlib.gather(xt, mask, values, residual=again)
+        np.testing.assert_array_equal(again.numpy(), want)

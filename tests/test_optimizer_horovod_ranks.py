@@ -127,3 +127,54 @@ def test_distributed_optimizer_follows_horovod_details(tmp_path):
         assert len(out["adasum"]) == 2
         for message in out["adasum"]:
             assert message is not None and "op=Adasum cannot be combined" in message
+
+
+OWN_RESIDUALS = r'''
+import io, warnings
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.nm(1, 4, shared_mask=False),
+                               layer_selection=hvd.LayerSelection.norm(0.5))
+for step in range(3):
+    g = torch.Generator().manual_seed(10 * r + step)
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g)).square().mean().backward()
+    opt.step()
+mine = opt.state_dict()["fusionring"]
+flat = lambda sd: {k: v.flatten().tolist() for k, v in sd.items()}
+out = {"own": [flat(mine["compression"]["residuals"]), flat(mine["layer_selection"]["acc"]["residual"])]}
+buf = io.BytesIO()
+torch.save(opt.state_dict(), buf)
+rank0_file = hvd.broadcast_object(buf.getvalue(), root_rank=0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.load_state_dict(torch.load(io.BytesIO(rank0_file), weights_only=False))
+    loaded = opt.state_dict()["fusionring"]
+    out["after load"] = [flat(loaded["compression"]["residuals"]),
+                         flat(loaded["layer_selection"]["acc"]["residual"])]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    after = opt.state_dict()["fusionring"]
+    out["after broadcast"] = [flat(after["compression"]["residuals"]),
+                              flat(after["layer_selection"]["acc"]["residual"])]
+out["warnings"] = [str(w.message) for w in caught if "DistributedOptimizer" in str(w.message)]
+report(out)
+'''
+
+
+def test_each_rank_keeps_its_own_residuals_when_given_another_ranks_state(tmp_path):
+    """Residuals are each rank's own: every rank loading rank 0's file, or
+    broadcast_optimizer_state, must not hand rank 0's residuals to the others (they would be
+    counted once per rank); loading another rank's state warns, the broadcast does not."""
+    results = run_ranks(2, OWN_RESIDUALS, tmp_path, timeout=90)
+    for r, out in enumerate(results):
+        assert out["after load"] == out["own"] and out["after broadcast"] == out["own"]
+        assert any(out["own"][0].values())
+    assert results[0]["own"] != results[1]["own"]
+    assert results[0]["warnings"] == []
+    assert len(results[1]["warnings"]) == 1 and "saved by rank 0" in results[1]["warnings"][0]

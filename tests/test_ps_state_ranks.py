@@ -215,3 +215,79 @@ def test_a_worker_that_skips_load_state_dict_is_the_one_named(tmp_path, sync, wh
     for message in [r for r in results[1:] if r is not None]:   # (under asp worker 1 may be ended first)
         assert "worker 1 did not call load_state_dict() (worker 0 did" in message, message
         assert "worker 0 called" not in message
+
+
+THREE_WORKERS = r'''
+import atexit, sys, time, torch
+from mpi4py import MPI
+from fusionring import ps
+mode, path, sync, N, M = MODE, PATH, SYNC, 4, 3
+if MPI.COMM_WORLD.Get_rank() == 0:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=1)
+k = ps.worker_rank()
+torch.manual_seed(100)
+model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                              named_parameters=model.named_parameters(), sync=sync,
+                              **({"staleness": 1} if sync == "ssp" else {}))
+
+def steps(first, count):
+    for step in range(first, first + count):
+        if sync == "bsp":
+            time.sleep(0.01 * ((step + k) % 3))   # the workers arrive in changing orders
+        g = torch.Generator().manual_seed(1000 * step + k)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+
+out = {}
+if mode == "full":
+    steps(0, N + M)
+elif mode == "save":
+    steps(0, N)
+    if sync == "ssp" and k == 1:
+        ps.shutdown()                            # this worker is done before the save
+        report({"left": True})
+        sys.exit(0)
+    if sync == "ssp":
+        time.sleep(1.0)
+    ps.save(path)
+    out["state_keys"] = sorted(opt.state_dict())
+else:
+    opt.load_state_dict(torch.load(path, weights_only=False))
+    steps(N, M)
+out["bits"] = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+ps.shutdown()
+report(out)
+'''
+
+
+def _three_workers(tmp_path, sync, mode, env=None):
+    path = str(tmp_path / "ckpt.pt")
+    code = (THREE_WORKERS.replace("MODE", repr(mode)).replace("PATH", repr(path))
+            .replace("SYNC", repr(sync)))
+    return run_ranks(4, code, tmp_path / f"{sync}-{mode}", timeout=150, env=env)
+
+
+def test_bsp_with_three_workers_and_no_time_limit_saves_and_resumes_bit_for_bit(tmp_path):
+    """Three workers arriving in changing orders: the server sums in worker order, so a run is
+    the same bits every time and a resumed one equals it; with no time limit
+    (FUSIONRING_PS_TIMEOUT_S=0) ps.save and state_dict() wait without one."""
+    env = {"FUSIONRING_PS_TIMEOUT_S": "0"}
+    full = _three_workers(tmp_path, "bsp", "full", env)
+    again = _three_workers(tmp_path / "again", "bsp", "full", env)
+    saved = _three_workers(tmp_path, "bsp", "save", env)
+    assert saved[1]["state_keys"] == ["format", "num_servers", "param_groups", "servers", "shards",
+                                      "worker"]
+    resumed = _three_workers(tmp_path, "bsp", "resume", env)
+    for k in (1, 2, 3):
+        assert again[k]["bits"] == full[k]["bits"]
+        assert resumed[k]["bits"] == full[k]["bits"]
+
+
+def test_ssp_resumes_from_a_save_made_after_a_worker_shut_down(tmp_path):
+    saved = _three_workers(tmp_path, "ssp", "save")
+    assert saved[2] == {"left": True}
+    resumed = _three_workers(tmp_path, "ssp", "resume", {"FUSIONRING_PS_TIMEOUT_S": "20"})
+    for k in (1, 2, 3):
+        assert len(resumed[k]["bits"]) == 4

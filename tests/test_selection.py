@@ -269,3 +269,17 @@ def test_warmup_sends_every_layer_first_then_k(make):
 def test_bad_warmup_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="warmup_steps"):
         LayerSelection.norm(0.25, warmup_steps=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_waiting_16_bit_layer_keeps_its_small_gradients(dtype):
+    """A layer that waits 400 steps with a gradient of 0.003 each holds 1.2: summed in float32,
+    not in its 16-bit dtype (where bfloat16 stalls at 1.0 and float16 drifts)."""
+    from fusionring.selection.base import Accumulator
+    acc = Accumulator(1)
+    g = torch.full((5,), 0.003, dtype=dtype)
+    for _ in range(400):
+        summed = {"w": acc.add("w", g)}
+        acc.settle([], [["w"]], summed)
+    want = 400 * float(g[0])
+    torch.testing.assert_close(acc.residual["w"], torch.full((5,), want), rtol=1e-5, atol=0)

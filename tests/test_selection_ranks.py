@@ -252,3 +252,33 @@ def test_bad_input_raises_value_error_naming_it_on_every_rank(tmp_path):
         assert "does not have" in r["not_in_model"] and "param.0.8" in r["not_in_model"]
         assert "fraction=0.0" in r["fraction"]
         assert "no parameters" in r["no_params"]
+
+
+SAME_BATCHES = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+rank = hvd.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(6)])
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.nm(2, 4, shared_mask=False),
+                               layer_selection=hvd.LayerSelection.norm(0.5))
+for step in range(8):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    opt.zero_grad()
+    model(torch.randn(5, 24, generator=g)).square().mean().backward()
+    opt.step()
+report({"bits": [p.detach().numpy().tobytes().hex() for p in model.parameters()]})
+'''
+
+
+def test_chosen_layers_travel_as_one_group_so_runs_repeat_bit_for_bit(tmp_path):
+    """With per-rank N:M masks the fused batch decides which elements share a group of M:
+    the chosen layers go as one group, so two runs with very different cycle times (which
+    change how threshold fusion would batch them) give the same bits."""
+    runs = [run_ranks(2, SAME_BATCHES, tmp_path / f"cycle{ms}",
+                      env={"FUSIONRING_CYCLE_TIME_MS": str(ms)})
+            for ms in ("0.05", "40")]
+    assert runs[0][0]["bits"] == runs[1][0]["bits"] == runs[0][1]["bits"]

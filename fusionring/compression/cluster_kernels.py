@@ -287,6 +287,8 @@ def encode_blocks(x: torch.Tensor, k: int, sample: int, buckets: int, values: to
     payload[:, shape.ids_offset + shape.id_bytes:shape.total] = 0
     if residual is not None:
         torch.sub(x, torch.gather(_read_values(raw, values), 1, bucket), out=residual)
+        # As the C++ kernels: a residual that is not finite is kept as 0.
+        torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def decode_blocks(payload: torch.Tensor, k: int, buckets: int, values: torch.dtype,

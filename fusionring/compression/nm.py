@@ -80,6 +80,17 @@ class _Context:
     count: int
     mask: Optional[torch.Tensor]  # None: the payload is dense
     nm: Tuple[int, int] = (0, 0)
+    # Adaptive schedule: this rank's squared residual and squared compensated input, for a
+    # caller that sums them over its ranks (``observe``) so that every rank moves in step.
+    squares: Optional[Tuple[float, float]] = None
+
+
+def _dense_residual(x: torch.Tensor, sent: torch.Tensor, out: torch.Tensor) -> None:
+    """What sending all of `x` as `sent` (its values dtype) loses, into `out`. As in the
+    kernels, a residual that is not finite (a non-finite gradient, or one beyond float16's
+    range) is kept as 0: carried on, it would spoil every later step of its element."""
+    torch.sub(x, sent.float(), out=out)
+    torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _squares_where(t: torch.Tensor):
@@ -143,6 +154,10 @@ class NMCompressor(Compressor):
         self._tensors: Dict[str, _TensorState] = {}
         self._lock = threading.RLock()
         self.stats = {"reductions": 0, "dense_bytes": 0, "payload_bytes": 0, "wire_bytes": 0}
+        # Standalone compress() moves the adaptive schedule on this rank's own statistics; a
+        # caller that sums them over its ranks first (a DDP hook) turns this off and calls
+        # observe() with the sums.
+        self.adapt_locally = True
 
     # ------------------------------------------------------------------ identity
     @property
@@ -209,7 +224,7 @@ class NMCompressor(Compressor):
                 if mask is None:
                     kept = x.to(self.values)
                     if residual is not None:
-                        torch.sub(x, kept.float(), out=residual)
+                        _dense_residual(x, kept, residual)
                 else:
                     kept = gather(x, mask, self.values, residual, nm=(n, m))
                 payload: Any = kept
@@ -218,10 +233,10 @@ class NMCompressor(Compressor):
                 payload = (kept, mask)
             if residual is not None:
                 self.memory.update(key, residual)
-            self._observe_local(state, residual, x)
+            squares = self._observe_local(state, residual, x)
             state.step += 1
         return payload, _Context(key, tensor.shape, tensor.dtype, tensor.device, count, mask,
-                                 (n, m))
+                                 (n, m), squares)
 
     def decompress(self, payload, ctx):
         """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged."""
@@ -281,11 +296,23 @@ class NMCompressor(Compressor):
         state.wait = torch.where(sent, torch.zeros_like(state.wait), state.wait + 1.0)
 
     def _observe_local(self, state: _TensorState, residual: Optional[torch.Tensor],
-                       x: torch.Tensor) -> None:
-        # Standalone use has no collective: the adaptive schedule sees local statistics.
-        if isinstance(self.schedule, AdaptiveSchedule):
-            held = _squares(residual) if residual is not None else 0.0
-            self.schedule.observe(state, held / max(_squares(x), 1e-300))
+                       x: torch.Tensor) -> Optional[Tuple[float, float]]:
+        """The adaptive schedule's squared sums of this compression (None without one), and
+        the schedule moved on them when it adapts locally."""
+        if not isinstance(self.schedule, AdaptiveSchedule):
+            return None
+        held = _squares(residual) if residual is not None else 0.0
+        total = _squares(x)
+        if self.adapt_locally:
+            self.schedule.observe(state, held / max(total, 1e-300))
+        return held, total
+
+    def observe(self, ctx: _Context, held: float, total: float) -> None:
+        """Move the adaptive schedule of `ctx`'s tensor on squared sums taken over the ranks
+        (``ctx.squares`` summed), so that every rank picks the same next level."""
+        if isinstance(self.schedule, AdaptiveSchedule) and ctx.key is not None:
+            with self._lock:
+                self.schedule.observe(self._state(ctx.key), held / total if total > 0 else 0.0)
 
     # ------------------------------------------------------------------ runtime path
     def communicate(self, job: ReductionContext) -> int:
@@ -361,7 +388,7 @@ class NMCompressor(Compressor):
             if mask is None:
                 kept = x.to(self.values, copy=True)
                 if residual is not None:
-                    torch.sub(x, kept.float(), out=residual)
+                    _dense_residual(x, kept, residual)
             else:
                 kept = gather(x, mask, self.values, residual, nm=(n, m))
             if adaptive and key is not None:
@@ -446,7 +473,7 @@ class NMCompressor(Compressor):
                 if seg.mask is None:
                     part.copy_(x)
                     if seg.residual is not None:
-                        torch.sub(x, part.float(), out=seg.residual[lo:hi])
+                        _dense_residual(x, part, seg.residual[lo:hi])
                 else:
                     words = seg.mask.data_ptr() + lo // 64 * 8
                     _C.nm_select_by_wait(seg.state.estimate.data_ptr() + 4 * lo,

@@ -71,6 +71,8 @@ class NMState(HookState):
         super().__init__(process_group)
         self.compressor = NMCompressor(n, m, values, shared_mask, error_feedback,
                                        _schedule_from_description(schedule))
+        # An adaptive schedule moves on statistics summed over the group (_agree_on_level).
+        self.compressor.adapt_locally = False
 
     @property
     def shared_mask(self) -> bool:
@@ -102,8 +104,29 @@ class NMState(HookState):
         return f"NMState({self.compressor.name})"
 
 
+def _agree_on_level(compressor: NMCompressor, ctx, group: dist.ProcessGroup,
+                    future: torch.futures.Future, device: torch.device) -> torch.futures.Future:
+    """With an adaptive schedule, sum the bucket's squared residual and input over the group
+    (one allreduce of two doubles beside the bucket's) and move the schedule on the sums when
+    both are done, so that every rank compresses its next step at the same level."""
+    if ctx.squares is None:
+        return future
+    sums = torch.tensor(ctx.squares, dtype=torch.float64, device=device)
+    both = torch.futures.collect_all(
+        [future, dist.all_reduce(sums, group=group, async_op=True).get_future()])
+
+    def observed(fut: torch.futures.Future):
+        reduced, _ = fut.value()
+        held, total = sums.tolist()
+        compressor.observe(ctx, held, total)
+        return reduced.value()
+
+    return both.then(observed)
+
+
 def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """N:M-compress `bucket`, reduce it over ``state``'s group and return the decoded average."""
+    HookState.check_hook(state, "nm_hook", NMState)
     group = state.group()
     size = group.size()
     buffer = bucket.buffer()
@@ -114,10 +137,21 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
 
     if compressor.shared_mask:
         # Summable values: one allreduce of N/M of the bucket, averaged in float32 afterwards.
-        future = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        # float16 values are first divided by the power of two at or above the group's size
+        # (exact, where torch's fp16_compress_hook divides by the size), so that their sum
+        # cannot overflow where each value fits; the rest of the average follows in float32.
+        shift = 1 << (size - 1).bit_length() if payload.dtype == torch.float16 else 1
+        if shift > 1:
+            payload.div_(shift)
+        future = _agree_on_level(
+            compressor, ctx, group,
+            dist.all_reduce(payload, group=group, async_op=True).get_future(), buffer.device)
 
         def decode_shared(fut: torch.futures.Future) -> torch.Tensor:
-            reduced = fut.value()[0].to(torch.float32).div_(size)
+            value = fut.value()
+            reduced = (value[0] if isinstance(value, list) else value).to(torch.float32)
+            if shift != size:
+                reduced.mul_(shift / size)
             buffer.copy_(compressor.decompress(reduced, ctx))
             return buffer
 
@@ -129,7 +163,9 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
     mask_bytes = mask.numel() * mask.element_size()
     packed = torch.cat([mask.reshape(-1).view(torch.uint8), kept.reshape(-1).view(torch.uint8)])
     gathered = [torch.empty_like(packed) for _ in range(size)]
-    future = dist.all_gather(gathered, packed, group=group, async_op=True).get_future()
+    future = _agree_on_level(
+        compressor, ctx, group,
+        dist.all_gather(gathered, packed, group=group, async_op=True).get_future(), buffer.device)
 
     def decode_gathered(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()

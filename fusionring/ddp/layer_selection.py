@@ -245,6 +245,7 @@ class LayerSelectionState(HookState):
 def layer_selection_hook(state: LayerSelectionState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Hold `bucket` until the step's last; then reduce the agreed layers of all of them."""
+    HookState.check_hook(state, "layer_selection_hook", LayerSelectionState)
     if bucket.index() == 0:
         state._pending = []   # a step that raised half-way leaves nothing behind
     held: torch.futures.Future = torch.futures.Future()

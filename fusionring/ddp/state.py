@@ -8,53 +8,85 @@ this base class makes the whole state picklable (``torch.save(state)``) and give
 ``state_dict()`` of plain types that ``torch.load(..., weights_only=True)`` reads back.
 """
 import zlib
-from typing import Any, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 
-def bucket_key(bucket: dist.GradBucket) -> str:
-    """The key of a bucket's state: its position, element count and parameter shapes.
+def bucket_key(bucket: dist.GradBucket, places: Optional[Sequence[int]] = None) -> str:
+    """The key of a bucket's state: its position, element count and which parameters it holds.
 
     DDP rebuilds its buckets after the first step (in the order gradients became ready), so a
-    position alone may name different parameters from one step to the next; the shapes' checksum
-    tells such buckets apart, and a bucket whose layout changed starts with fresh state instead
-    of someone else's residual. The key is the same in every process that builds the same
-    model with the same bucket sizes, so saved state finds its buckets again after a restart.
-    (A new DDP model reduces its first step in one bucket of every parameter, sent dense; the
-    restored buckets' state takes effect from the second step, when DDP's buckets are back, and
-    what the first step held back is carried into them then: see ``_carry_residuals``.)
+    position alone may name different parameters from one step to the next; a checksum of the
+    parameters' shapes, dtypes and `places` tells such buckets apart, and a bucket whose layout
+    changed starts with fresh state instead of someone else's residual. `places` are the
+    parameters' positions in the order the state first met them (``HookState.key_of``): shapes
+    alone cannot tell ``[a, b, c]`` from ``[c, b, a]`` when the three look alike. That first
+    order is DDP's initial bucket layout, the same in every process that builds the same model
+    with the same bucket sizes, so saved state finds its buckets again after a restart.
+    (A new DDP model reduces its first step in its initial layout, whose state is usually
+    fresh; restored buckets' state takes effect from the second step, when DDP's rebuilt
+    buckets are back, and what the first step held back is carried into them then: see
+    ``HookState._carry_residuals``.)
     """
-    shapes = ";".join(",".join(map(str, p.shape)) for p in bucket.parameters())
-    return f"{bucket.index()}:{bucket.buffer().numel()}:{zlib.crc32(shapes.encode()):08x}"
+    described = ";".join(f"{','.join(map(str, p.shape))}/{p.dtype}"
+                         for p in bucket.parameters())
+    if places is not None:
+        described += "@" + ",".join(map(str, places))
+    return f"{bucket.index()}:{bucket.buffer().numel()}:{zlib.crc32(described.encode()):08x}"
 
 
 class HookState:
     """Base of the hooks' states: the process group and per-bucket bookkeeping.
 
-    `process_group` None means DDP's default group. Subclasses implement ``config()``,
+    `process_group` None means the default (world) group, as for torch's own hooks: a DDP model
+    on a subgroup needs that subgroup here too. Subclasses implement ``config()``,
     ``codec_state()``, ``load_codec_state()`` and ``forget(keys)``.
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"{type(self).__name__}: process_group must be a "
+                            f"torch.distributed.ProcessGroup or None, not "
+                            f"{type(process_group).__name__} {process_group!r}")
         self.process_group = process_group
         self._seen: Set[str] = set()     # keys used in this step so far
         self._idle: Dict[str, int] = {}  # key -> steps ended since it was last used
         # id(parameter) -> (key, offset, count): where that parameter's share of the
         # error-feedback residual was last kept (see `_carry_residuals`).
         self._owner: Dict[int, Tuple[str, int, int]] = {}
+        # id(parameter) -> its position in the order this state first met the parameters
+        # (DDP's initial layout); part of the bucket keys, and not saved: a restarted process
+        # meets them in the same order again.
+        self._places: Dict[int, int] = {}
 
     # ---------------------------------------------------------------- per step
+    def check_hook(self, hook: str, kind: type) -> None:
+        """A TypeError naming both when `hook` is given the state of another method."""
+        if not isinstance(self, kind):
+            raise TypeError(f"{hook} needs a {kind.__name__}, not a {type(self).__name__} "
+                            f"(register each hook with its own state)")
+
     def group(self) -> dist.ProcessGroup:
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def key(self, bucket: dist.GradBucket) -> str:
-        """The key of `bucket`'s state (:func:`bucket_key`), noted as used in this step."""
-        key = bucket_key(bucket)
+        """The key of `bucket`'s state (:meth:`key_of`), noted as used in this step."""
+        key = self.key_of(bucket)
         self._seen.add(key)
         self._carry_residuals(bucket, key)
         return key
+
+    def key_of(self, bucket: dist.GradBucket) -> str:
+        """The key under which this state keeps `bucket`'s state (:func:`bucket_key`)."""
+        params = bucket.parameters()
+        if bucket.index() == 0 and not any(id(p) in self._places for p in params):
+            # A new DDP model registered with this state: its parameters are met afresh, in
+            # its initial layout, as a restarted process meets them.
+            self._places = {}
+        places = [self._places.setdefault(id(p), len(self._places)) for p in params]
+        return bucket_key(bucket, places)
 
     def _carry_residuals(self, bucket: dist.GradBucket, key: str) -> None:
         """Move into `key`'s residual what its parameters had left in other buckets' residuals.

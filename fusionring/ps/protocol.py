@@ -6,9 +6,6 @@ them in the order they were sent (MPI keeps the order per sender and tag); a ser
 """
 from __future__ import annotations
 
-import atexit
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -85,30 +82,6 @@ def poll_until(probe: Callable[[], bool], deadline: float, what: Callable[[], st
         if spins > 50 and nap > 0:  # spin briefly first: a reply is often already on its way
             time.sleep(nap)
 
-
-_exit_registered = False
-
-
-def exit_nonzero_without_finalize() -> None:
-    """Make this process end with status 1 and without MPI_Finalize, once its error has been printed.
-
-    After a peer died, MPI_Finalize can wait for it forever; a process that saw the job fail must neither hang
-    there nor report success. Registered once, on the first fatal error (Python runs it before MPI's own exit
-    hook, and after printing an uncaught exception's traceback)."""
-    global _exit_registered
-    if _exit_registered:
-        return
-    _exit_registered = True
-
-    def _exit() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(1)
-
-    atexit.register(_exit)
 
 
 def server_ranks(num_servers: int) -> List[int]:

@@ -26,6 +26,7 @@ import torch
 
 from ..config import settings
 from ..exceptions import FusionRingError, StallError, TensorMismatchError
+from ..process_exit import exit_nonzero_without_finalize
 from . import payload, protocol
 from .protocol import Header
 from .sync import Decision, make_policy
@@ -118,7 +119,7 @@ class Server:
 
     def _fail(self, error: Exception) -> None:
         """Tell every worker still there, then raise ``error`` (the process will exit with status 1)."""
-        protocol.exit_nonzero_without_finalize()
+        exit_nonzero_without_finalize()
         for k in sorted(self.active):
             try:
                 self._send(k, Header(protocol.ERROR, {"message": f"server rank {self.rank}: {error}",

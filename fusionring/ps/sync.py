@@ -43,7 +43,8 @@ class BSP:
     def _maybe_flush(self) -> Decision:
         if self.pending and self.active <= set(self.pending):
             w = 1.0 / len(self.pending)
-            d = Decision([[(k, w) for k in self.pending]], list(self.pending), average=True)
+            # Summed in worker order, not arrival order: the same bits whoever came first.
+            d = Decision([[(k, w) for k in sorted(self.pending)]], list(self.pending), average=True)
             self.pending = []
             return d
         return Decision()
@@ -89,6 +90,7 @@ class SSP:
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness must be a non-negative int, got {staleness!r}")
         self.staleness = staleness
+        self.num_workers = num_workers
         self.iters: Dict[int, int] = {k: 0 for k in range(num_workers)}
         self.held: List[int] = []
 
@@ -115,7 +117,11 @@ class SSP:
         return {"iters": dict(self.iters)}
 
     def load_state(self, state: dict) -> None:
-        self.iters = {int(k): int(v) for k, v in state["iters"].items()}
+        saved = {int(k): int(v) for k, v in state["iters"].items()}
+        # A worker missing from the saved counts had shut down before the save; every worker of
+        # the resumed job takes part again, the missing ones from the slowest saved count.
+        base = min(saved.values()) if saved else 0
+        self.iters = {k: saved.get(k, base) for k in range(self.num_workers)}
         self.held = []
 
 

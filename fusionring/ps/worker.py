@@ -23,6 +23,7 @@ from ..compression import Compression
 from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
+from ..process_exit import exit_nonzero_without_finalize
 from . import payload, protocol
 from .protocol import Header
 from .sync import SYNC_MODES
@@ -276,14 +277,14 @@ def _wait_reply(job: _Job, server: int, silence: Optional[float],
                                                   f"stopped")
         except StallError:
             job.close()
-            protocol.exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
+            exit_nonzero_without_finalize()  # the server is gone: MPI_Finalize would wait for it
             raise
         header: Header = job.comm.recv(source=server, tag=protocol.TAG_TO_WORKER)
         if header.kind != protocol.HEARTBEAT:
             break
     if header.kind == protocol.ERROR:
         job.close()
-        protocol.exit_nonzero_without_finalize()
+        exit_nonzero_without_finalize()
         raise _ERRORS.get(header.fields.get("type"), FusionRingError)(header.fields["message"])
     if header.kind != expect:
         raise FusionRingError(f"server rank {server} answered {header.kind!r} where worker "
@@ -304,7 +305,7 @@ def _report_failure(job: Any, error: BaseException) -> None:
         job.heartbeat.stop()
     _send_failure(job, error)
     job.close()
-    protocol.exit_nonzero_without_finalize()
+    exit_nonzero_without_finalize()
 
 
 def _send_failure(job: Any, error: BaseException) -> None:
@@ -562,8 +563,10 @@ class DistributedOptimizer:
         job = self._job
         for server in range(len(self._shards)):
             self._send(server, Header(kind, fields_per_server[server]), None)
-        deadline = time.monotonic() + 2 * protocol.timeout_s()
-        replies = [_wait_reply(job, server, deadline, expect) for server in range(len(self._shards))]
+        # A server writing a checkpoint sends no heartbeat: it gets twice the limit (None: no limit).
+        limit = protocol.timeout_s()
+        silence = None if limit is None else 2 * limit
+        replies = [_wait_reply(job, server, silence, expect) for server in range(len(self._shards))]
         for r in job.requests:
             r.Wait()
         job.requests = []
@@ -671,7 +674,8 @@ class DistributedOptimizer:
         sel.step_count += 1
         sent = {n for i in chosen for n in sel.layers[i]}
         sel.acc.settle(chosen, sel.layers, summed)
-        out = {n: g for n, g in summed.items() if n in sent}
+        # a 16-bit layer's float32 sum travels in its gradient's dtype
+        out = {n: g.to(grads[n].dtype) if n in grads else g for n, g in summed.items() if n in sent}
         out.update({n: g for n, g in grads.items() if n not in sel.params})  # parameters it does not select
         return out, {n for n in summed if n not in sent}
 

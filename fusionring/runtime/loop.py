@@ -20,6 +20,7 @@ from ..dtypes import real_view
 from ..exceptions import FusionRingError, StallError, TensorMismatchError
 from ..negotiation import Negotiator, Ready, TensorSpec
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
+from ..process_exit import exit_nonzero_without_finalize
 from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from ..timeline import Failure as TimelineFailure, LaneView, Timeline, TimelineError
 from ..timeline import open_failure, timeline_variable
@@ -485,6 +486,9 @@ class Runtime:
                 if outcome.stall_warning and self.rank == 0:
                     print(outcome.stall_warning, file=sys.stderr, flush=True)
                 if outcome.abort:
+                    # The stalled rank may never reach MPI_Finalize, which would then hold this
+                    # one at exit with the launcher none the wiser: leave without it, failed.
+                    exit_nonzero_without_finalize()
                     self._fail_everything(StallError(outcome.abort))
                     return
                 for name, message in outcome.errors.items():

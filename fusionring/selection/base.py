@@ -62,10 +62,14 @@ class Accumulator:
         self.waited = [0] * n_layers
 
     def add(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient plus what this parameter has kept back; the sum is what may be sent."""
+        """The gradient plus what this parameter has kept back (float32 for 16-bit gradients);
+        the sum is what may be sent."""
         self.fresh[name] = grad
         kept = self.residual.get(name)
-        return grad.clone() if kept is None else kept + grad
+        # 16-bit gradients add up in float32: a layer that waits many steps would lose its
+        # small gradients to the rounding of a 16-bit sum (a bfloat16 one keeps 8 bits).
+        wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad.clone()
+        return wide if kept is None else kept + wide
 
     def forced(self) -> List[int]:
         """Layers that have waited ``max_wait`` steps, longest first."""

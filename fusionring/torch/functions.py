@@ -14,7 +14,8 @@ import numbers
 import pickle
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
+                    Tuple, Union)
 
 import cloudpickle
 import torch
@@ -166,9 +167,10 @@ class _Operation:
 _operations: Dict[int, _Operation] = {}
 _operation_ids = itertools.count()
 _auto_names = itertools.count()
-# broadcast_object's own count, so an unnamed operation that one rank skipped (one that
-# failed elsewhere while it had joined) does not shift its names.
-_object_broadcasts = itertools.count()
+# broadcast_object's own counts, one per process set (by its ranks), so an unnamed operation
+# that one rank skipped (one that failed elsewhere while it had joined), or a broadcast within
+# a set this rank is not in, does not shift its names.
+_object_broadcasts: Dict[Tuple[int, ...], Iterator[int]] = {}
 _handles_lock = threading.Lock()
 
 
@@ -379,9 +381,10 @@ def _allreduce_spec(dtype: torch.dtype, shape: Tuple[int, ...], op: ReduceOp, pr
 
 def _check_adasum(tensor: torch.Tensor, name: str, size_: int, compression) -> None:
     # The same facts on every rank, so every rank raises alike and nothing is sent.
-    if size_ & (size_ - 1):
-        raise ValueError(f"allreduce '{name}': op=Adasum needs a power-of-two number of ranks, "
-                         f"not {size_}")
+    if size_ & (size_ - 1):   # NotImplementedError, as in Horovod
+        raise NotImplementedError(f"allreduce '{name}': op=Adasum needs a power-of-two number "
+                                  f"of ranks, not {size_} (Running Adasum with non-power of 2 "
+                                  f"ranks is not supported yet)")
     if not tensor.is_floating_point():
         raise ValueError(f"allreduce '{name}': op=Adasum needs a floating-point tensor, not "
                          f"{dtype_name(tensor.dtype)}")
@@ -611,6 +614,17 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
     requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True,
                                    compression=compression)
                 for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    return _register(_submit(requests), _finish_into(list(tensors), single=False))
+
+
+@_routed
+def _grouped_allreduce_named_async_(tensors: Sequence[torch.Tensor], names: Sequence[str],
+                                    op=None, process_set=None, compression=None) -> int:
+    """As grouped_allreduce_async_, each tensor under a name of its own (a compressor keeps
+    its state per name): one group, negotiated and fused together, so the batches it makes
+    are the same at every step that sends the same tensors."""
+    requests = [_allreduce_request(t, n, op, None, 1.0, 1.0, True, compression=compression)
+                for t, n in zip(tensors, names)]
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
 
@@ -1163,7 +1177,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
                              name="optimizer_state", process_set=process_set)
     if rank() != root_rank:
-        optimizer.load_state_dict(state)
+        # load_state_dict replaces the group dicts; write the root's settings into the
+        # existing ones instead, as Horovod does, so that whatever holds them (the
+        # DistributedOptimizer around this optimizer, an LR scheduler) sees the new values.
+        # (The same for the state mapping.)
+        inner = getattr(optimizer, "_optimizer", None)  # under a DistributedOptimizer
+        groups, states = optimizer.param_groups, optimizer.state
+        # A DistributedOptimizer keeps this rank's own residuals (not the root's).
+        getattr(optimizer, "_load_broadcast_state", optimizer.load_state_dict)(state)
+        for mine, loaded in zip(groups, optimizer.param_groups):
+            mine.update(loaded)
+        states.clear()
+        states.update(optimizer.state)
+        for holder in (optimizer, inner):
+            if holder is not None:
+                holder.param_groups, holder.state = groups, states
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
@@ -1206,7 +1234,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     If root cannot pickle `obj`, it raises that error and every other rank raises a
     ``RuntimeError`` naming root and the object's type.
     """
-    base = name or f"object{AUTO_NAME_MARK}{next(_object_broadcasts)}"
+    if name is None:
+        global_set = process_set is None or process_set._is_global()
+        ranks = () if global_set else tuple(process_set.ranks)
+        name = f"object{AUTO_NAME_MARK}{next(_object_broadcasts.setdefault(ranks, itertools.count()))}"
+    base = name
     is_root = _global_rank() == root_rank
     failure: Optional[BaseException] = None
     payload, size_ = torch.empty(0, dtype=torch.uint8), 0

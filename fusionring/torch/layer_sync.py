@@ -35,6 +35,8 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
     chosen = selection.choose(total.tolist())
     selection.step_count += 1
     sent = [n for i in chosen for n in selection.layers[i] if n in summed]
+    for n in sent:  # a 16-bit layer's float32 sum travels in its own dtype
+        summed[n] = summed[n].to(by_name[n].dtype)
     if multi and sent:
         _reduce(sent, summed, compression, process_set)
     for n in sent:
@@ -49,32 +51,32 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
 
 
 def _reduce(sent: List[str], summed, compression, process_set) -> None:
-    """Average the chosen gradients in place of ``summed``, one request per parameter.
+    """Average the chosen gradients in place of ``summed``, as one group of requests.
 
     Each parameter keeps its own name on the wire (``layer_selection.<name>``) rather than one
     buffer of a layout that changes every step: a compressor's residual (N:M, the cluster
     quantizer) is kept per name, and must come back to the parameter it was taken from. The
-    requests are submitted back to back, so the runtime fuses them into one batch.
+    requests form one group, fused into the same batches whenever the same layers travel:
+    with per-rank masks the batch decides which elements share a group of M, so batches made
+    by timing would make runs differ.
     """
     # The accumulated sums are reduced in place: they are copies (Accumulator.add), and what
     # the residual keeps of a sent layer is dropped in settle().
     for n in sent:
         summed[n] = summed[n].contiguous()
+    names = [f"layer_selection.{n}" for n in sent]
     if capabilities(compression).in_runtime:
-        handles = [F.allreduce_async_(summed[n], name=f"layer_selection.{n}", op=F.Average,
-                                      compression=compression, process_set=process_set)
-                   for n in sent]
-        for h in handles:
-            F.synchronize(h)
+        F.synchronize(F._grouped_allreduce_named_async_(
+            [summed[n] for n in sent], names, op=F.Average, compression=compression,
+            process_set=process_set))
         return
     encoded = [compression.compress(summed[n]) for n in sent]
-    for (payload, _), n in zip(encoded, sent):
-        F.check_summable(compression, payload, f"layer_selection.{n}")
-    handles = [F.allreduce_async_(payload, name=f"layer_selection.{n}", op=F.Average,
-                                  process_set=process_set)
-               for (payload, _), n in zip(encoded, sent)]
-    for h, (payload, ctx), n in zip(handles, encoded, sent):
-        F.synchronize(h)
+    for (payload, _), name in zip(encoded, names):
+        F.check_summable(compression, payload, name)
+    payloads = [payload for payload, _ in encoded]
+    F.synchronize(F._grouped_allreduce_named_async_(payloads, names, op=F.Average,
+                                                    process_set=process_set))
+    for (payload, ctx), n in zip(encoded, sent):
         summed[n] = compression.decompress(payload, ctx)
 
 

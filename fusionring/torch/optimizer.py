@@ -86,8 +86,8 @@ def _names_of(optimizer: torch.optim.Optimizer, named_parameters) -> Dict[torch.
     names = [name for name, _ in named]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"Parameter names in named_parameters must be unique; repeated: "
-                         f"{', '.join(duplicates)}")
+        raise ValueError(f"Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(duplicates)}")
     by_param = {}
     for name, p in named:
         by_param.setdefault(p, name)  # a tied parameter keeps its first name
@@ -708,9 +708,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._selection is not None:
             state = dict(state)
             state.setdefault("fusionring", {})["layer_selection"] = self._selection.state_dict()
+        if "fusionring" in state:
+            # Residuals are this rank's own: a loader on another rank keeps its own instead.
+            state["fusionring"]["rank"] = F.rank()
         return state
 
     def load_state_dict(self, state_dict) -> None:
+        """Restore ``state_dict()``. Compressor residuals and layer-selection residuals are
+        the saving rank's own: loaded on another rank (every rank loading rank 0's file),
+        the rest is loaded, this rank keeps its own residuals, and a warning says so."""
+        self._load(state_dict, broadcast=False)
+
+    def _load_broadcast_state(self, state_dict) -> None:
+        """broadcast_optimizer_state's load: the root's state, this rank's own residuals."""
+        self._load(state_dict, broadcast=True)
+
+    def _load(self, state_dict, broadcast: bool) -> None:
         # As Horovod: the step starts afresh, so a checkpoint loaded between two accumulated
         # backward passes does not count the one before it. Reductions in flight are waited
         # for (the other ranks started them too) and their results dropped.
@@ -732,10 +745,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.load_state_dict(state_dict)
         self.param_groups = self._optimizer.param_groups
         self.state = self._optimizer.state
-        if extra and self._caps.stateful:
-            self._compression.load_state_dict(extra["compression"])
-        if extra and "layer_selection" in extra and self._selection is not None:
-            self._selection.load_state_dict(extra["layer_selection"])
+        if not extra:
+            return
+        saver = extra.get("rank", F.rank())
+        foreign = saver != F.rank()
+        compression = extra.get("compression") if self._caps.stateful else None
+        selection = extra.get("layer_selection") if self._selection is not None else None
+        if foreign and compression is not None and "residuals" in compression:
+            compression = dict(compression,
+                               residuals=self._compression.state_dict()["residuals"])
+        if foreign and selection is not None and "acc" in selection:
+            acc = self._selection.acc
+            own = acc.state_dict()["residual"] if acc is not None else {}
+            selection = dict(selection, acc=dict(selection["acc"], residual=own))
+        if foreign and not broadcast and (compression is not None or selection is not None):
+            warnings.warn(f"DistributedOptimizer on rank {F.rank()}: the state was saved by rank "
+                          f"{saver}, and residuals are each rank's own; this rank keeps its own "
+                          f"(save optimizer.state_dict() on every rank and load each rank's own "
+                          f"to resume them)", stacklevel=3)
+        if compression is not None:
+            self._compression.load_state_dict(compression)
+        if selection is not None:
+            self._selection.load_state_dict(selection)
 
     def add_param_group(self, param_group: dict) -> None:
         if not self.__dict__.get("_wrapping"):  # called by Optimizer.__init__ itself

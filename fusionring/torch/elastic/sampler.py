@@ -45,6 +45,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.num_samples = 0
         self.total_size = 0
         self._padded: List[int] = []
+        self._recorded = 0
         self._order_key: Tuple[int, bool, int, int] = (-1, False, 0, 0)
         self._order: List[int] = []
         self.reset()
@@ -92,6 +93,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         while padded and len(padded) < self.total_size:  # fewer samples than ranks: repeat
             padded += self.remaining_indices[:self.total_size - len(padded)]
         self._padded = padded
+        self._recorded = 0   # how much of the partition record_batch has marked
         self.indices = padded[self.rank:self.total_size:self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
@@ -114,14 +116,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:stop]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark batch `batch_idx` as processed, on every rank's share of the partition.
+        """Mark the next batch as processed: `batch_size` samples on every rank.
 
-        Every rank trains on its batch `batch_idx` in the same step, and the partition is
-        the same everywhere, so each rank records all ranks' samples of that step.
+        As in Horovod, `batch_idx` is not used (a data loader's count starts again after
+        ``reset()``, a partition's does not): each call marks the next ``batch_size *
+        size()`` indices of the partition, all ranks' samples of one step, since every rank
+        trains on its share of them in that step and the partition is the same everywhere.
         """
-        start, stop = self._batch_bounds(batch_idx, batch_size)
-        self.processed_indices.update(
-            self._padded[start * self.num_replicas:stop * self.num_replicas])
+        self._batch_bounds(batch_idx, batch_size)   # checks both
+        step = batch_size * self.num_replicas
+        self.processed_indices.update(self._padded[self._recorded:self._recorded + step])
+        self._recorded += step
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark dataset indices processed by this rank; shared with all ranks on commit."""
