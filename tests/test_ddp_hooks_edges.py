@@ -194,3 +194,33 @@ def test_a_state_of_another_kind_or_a_group_that_is_not_one_is_refused_naming_it
     with pytest.raises(TypeError, match="layer_selection_hook needs a LayerSelectionState"):
         hooks.layer_selection_hook(cluster, Bucket())
     assert layers is not None
+
+
+WIDE_VALUES = r'''
+model = torch.nn.Linear(64, 4, bias=False)
+ddp = DDP(model, bucket_cap_mb=1000)
+state = hooks.NMState(n=4, m=4, values=torch.float32)   # dense: every value travels
+outputs = []
+
+def probe(st, bucket):
+    g = torch.Generator().manual_seed(rank)
+    bucket.buffer().copy_(torch.randint(-1000, 1000, bucket.buffer().shape, generator=g).float())
+    return hooks.nm_hook(st, bucket).then(lambda f: (outputs.append(f.value().tolist()), f.value())[1])
+
+ddp.register_comm_hook(state, probe)
+ddp(torch.ones(1, 64)).sum().backward()
+report(dict(out=outputs[0]))
+finish()
+'''
+
+
+def test_float32_values_are_averaged_as_the_sum_divided_by_the_group_size(tmp_path):
+    """Values wider than float16 are summed, then divided by the size in float32 (integer
+    inputs: the sum is exact in any order, so the average is known to the bit)."""
+    import torch
+    results = run_ranks(3, RANK_PRELUDE + WIDE_VALUES, tmp_path)
+    inputs = [torch.randint(-1000, 1000, (256,), generator=torch.Generator().manual_seed(r)).float()
+              for r in range(3)]
+    want = ((inputs[0] + inputs[1] + inputs[2]) / torch.tensor(3.0)).tolist()
+    for r in results:
+        assert r["out"] == want

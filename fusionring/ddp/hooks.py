@@ -150,7 +150,9 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         def decode_shared(fut: torch.futures.Future) -> torch.Tensor:
             value = fut.value()
             reduced = (value[0] if isinstance(value, list) else value).to(torch.float32)
-            if shift != size:
+            if shift == 1:
+                reduced.div_(size)
+            elif shift != size:
                 reduced.mul_(shift / size)
             buffer.copy_(compressor.decompress(reduced, ctx))
             return buffer
