@@ -242,7 +242,17 @@ void insert_scalar(const float* x, std::size_t begin, std::size_t count, const M
   }
 }
 
-// mode 0: out = v; 1: out += v; 2: out = x - v (the residual of x).
+// The residual of x when v is sent for it. One value that is not finite makes its bucket's
+// mean, and so v, not finite for every value in the bucket: those values keep all of x (the
+// step carries the inf or NaN, which a loss scaler sees and skips, and nothing finite is lost).
+// A residual that is still not finite (x itself, or x - v beyond float) is kept as 0, as N:M's.
+inline float residual_of(float x, float v) {
+  const float r = x - v;
+  if (std::isfinite(r)) return r;
+  return !std::isfinite(v) && std::isfinite(x) ? x : 0.0f;
+}
+
+// mode 0: out = v; 1: out += v; 2: out = x - v (the residual of x, by residual_of).
 template <int Mode>
 void decode_scalar(const std::uint8_t* ids, std::size_t begin, std::size_t count, int bits,
                    const std::uint32_t* nb, const std::uint32_t* off, const float* means,
@@ -252,10 +262,7 @@ void decode_scalar(const std::uint8_t* ids, std::size_t begin, std::size_t count
     const float v = means[off[id] + slot_of(i, nb[id])];
     if (Mode == 0) out[i] = v;
     if (Mode == 1) out[i] += v;
-    if (Mode == 2) {  // a residual that is not finite is kept as 0, as N:M's
-      const float r = x[i] - v;
-      out[i] = std::isfinite(r) ? r : 0.0f;
-    }
+    if (Mode == 2) out[i] = residual_of(x[i], v);
   }
 }
 
@@ -483,6 +490,12 @@ FR_AVX512 std::size_t insert_avx512(const float* x, std::size_t count, const Mod
 // The buckets are computed in vector registers; the means are read one lane at a time (a
 // table lookup, cheaper than a gather on the CPUs this runs on). With one bucket per cluster
 // (ONE) the means sit in two registers and a permute reads them.
+// All ones in the lanes of `a` that are finite.
+FR_AVX2 inline __m256 finite8(__m256 a) {
+  const __m256 magnitude = _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ);
+}
+
 template <int Mode, int BITS, bool ONE>
 FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
                                 const std::uint32_t* nb, const std::uint32_t* off, int k,
@@ -519,11 +532,11 @@ FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
     }
     if (Mode == 0) _mm256_storeu_ps(out + i, v);
     if (Mode == 1) _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), v));
-    if (Mode == 2) {
-      const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(x + i), v);
-      const __m256 magnitude = _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-      _mm256_storeu_ps(out + i,
-                       _mm256_and_ps(r, _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ)));
+    if (Mode == 2) {  // residual_of, 8 at a time
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      const __m256 r = _mm256_sub_ps(xv, v);
+      const __m256 keep_x = _mm256_andnot_ps(finite8(v), finite8(xv));
+      _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_and_ps(r, finite8(r)), xv, keep_x));
     }
   }
   return i;

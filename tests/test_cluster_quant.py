@@ -370,18 +370,31 @@ def test_state_dict_resumes_the_residuals_and_the_sampling_position():
         Compression.cluster(k=8).load_state_dict(state)
 
 
-def test_a_residual_that_is_not_finite_is_kept_as_zero():
+@pytest.mark.parametrize("level", range(BEST + 1))
+def test_a_residual_that_is_not_finite_is_kept_as_zero(level):
     """inf and NaN gradients leave a residual of 0 (carried on they would spoil every later
-    step); elsewhere the residual is the input minus what was sent."""
+    step). A finite value whose bucket mean they made not finite keeps all of itself, as
+    nothing finite was sent for it; elsewhere the residual is the input minus what was sent."""
     torch.manual_seed(0)
     x = torch.randn(5000)
     x[::97] = float("inf")
     x[1::89] = float("nan")
-    c = ClusterCompressor(k=4, sample=64)
-    payload, ctx = c.compress(x, name="w")
+    _C.cluster_set_vector_level(level)
+    try:
+        c = ClusterCompressor(k=4, sample=64)
+        payload, ctx = c.compress(x, name="w")
+    finally:
+        _C.cluster_set_vector_level(BEST)
     sent = c.decompress(payload, ctx)
     residual = c.memory.residuals["w"].reshape(-1)
     assert torch.isfinite(residual).all()
+    spoiled = ~torch.isfinite(sent) & torch.isfinite(x)
+    assert spoiled.sum() > 1000  # most buckets hold an inf or a NaN here
     want = x - sent
     want[~torch.isfinite(want)] = 0
+    want[spoiled] = x[spoiled]
     torch.testing.assert_close(residual, want, rtol=0, atol=0)
+    # Everything finite is either sent or kept: sent + residual == x wherever both are finite.
+    both = torch.isfinite(sent) & torch.isfinite(x)
+    torch.testing.assert_close((sent + residual)[both], x[both], rtol=0, atol=1e-6)
+    torch.testing.assert_close(residual[spoiled], x[spoiled], rtol=0, atol=0)

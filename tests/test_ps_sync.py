@@ -103,13 +103,32 @@ def test_adaptive_iteration_weights_count_less_advanced_gradients_less():
 
 
 def test_adaptive_returns_to_asp_when_the_epoch_gap_closes():
-    p = Adaptive(2)
-    for e in (1, 2, 3):
-        p.end_epoch(0, e)
-    p.end_epoch(1, 1)
+    p = Adaptive(3)
+    for k in (0, 1):
+        for e in (1, 2, 3):
+            p.end_epoch(k, e)
+    p.end_epoch(2, 1)
     assert p.group == [0, 1]
-    p.end_epoch(1, 2)
+    p.end_epoch(2, 2)
     assert p.group == [] and [c["sync_group"] for c in p.changes] == [[0, 1], []]
+
+
+@pytest.mark.parametrize("epochs,group", [
+    ({0: 3, 1: 1}, [0]),                          # s = 2 = workers: the straggler stays async
+    ({0: 5, 1: 5, 2: 5, 3: 1}, [0, 1, 2]),        # s = 4 = workers
+    ({0: 9, 1: 2, 2: 8, 3: 1}, [0, 1, 2]),        # s = 8 > workers
+    ({0: 4, 1: 2, 2: 4, 3: 2}, [0, 2]),           # s = 2 < workers: the top s
+])
+def test_adaptive_sync_group_leaves_the_slowest_asynchronous(epochs, group):
+    p = Adaptive(len(epochs))
+    for k, e in epochs.items():
+        p.end_epoch(k, e)
+    slowest = min(epochs, key=lambda k: (epochs[k], -k))
+    assert p.group == group and slowest not in p.group
+    assert p.changes[-1]["async"] == sorted(set(epochs) - set(group))
+    # The slowest's pushes are applied at once, never held for the group.
+    d = p.push(slowest, 1)
+    assert d.updates == [[(slowest, 1.0)]] and d.reply == [slowest]
 
 
 def test_replaying_a_recorded_arrival_order_is_bit_for_bit_deterministic():

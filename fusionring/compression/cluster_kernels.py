@@ -286,9 +286,12 @@ def encode_blocks(x: torch.Tensor, k: int, sample: int, buckets: int, values: to
         _pack(ids, shape.bits, shape.id_bytes))
     payload[:, shape.ids_offset + shape.id_bytes:shape.total] = 0
     if residual is not None:
-        torch.sub(x, torch.gather(_read_values(raw, values), 1, bucket), out=residual)
-        # As the C++ kernels: a residual that is not finite is kept as 0.
+        sent = torch.gather(_read_values(raw, values), 1, bucket)
+        torch.sub(x, sent, out=residual)
+        # As the C++ kernels' residual_of: where a bucket's mean is not finite (one inf or
+        # NaN in it) a finite value keeps all of x; a residual still not finite is kept as 0.
         torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
+        torch.where(torch.isfinite(sent) | ~torch.isfinite(x), residual, x, out=residual)
 
 
 def decode_blocks(payload: torch.Tensor, k: int, buckets: int, values: torch.dtype,

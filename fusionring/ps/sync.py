@@ -129,7 +129,8 @@ class Adaptive:
     """The seed's adaptive scheme: ASP start, then per-epoch relaxed BSP for the top-s fastest workers.
 
     At each epoch end, once every active worker has completed an epoch: s = max - min epochs completed; if s > 1
-    the s workers with the most epochs (ties: lower rank first) form the sync group, the rest stay asynchronous.
+    the s workers with the most epochs (ties: lower rank first; at most all but the slowest) form the sync
+    group, the rest stay asynchronous.
     Sync-group gradients go to an aggregation list; from its first entry on, a slack counter counts every push the
     server receives; the list is aggregated when it holds one gradient from every sync-group worker or the counter
     exceeds ``slack``. Weights: worker k's gradient counts ``it_k / max(it_j for j in list)`` with ``it_k`` the
@@ -190,7 +191,9 @@ class Adaptive:
             return Decision()
         s = max(self.epochs.values()) - min(self.epochs.values())
         order = sorted(self.epochs, key=lambda k: (-self.epochs[k], k))
-        group = sorted(order[:s]) if s > 1 else []
+        # At most all workers but the slowest: the gap is the straggler's doing, so a gap as
+        # large as the number of workers still leaves the slowest asynchronous.
+        group = sorted(order[:min(s, len(order) - 1)]) if s > 1 else []
         if group != self.group:
             self.changes.append({"update": self.updates, "s": s, "sync_group": group,
                                  "async": sorted(set(self.epochs) - set(group))})

@@ -1,6 +1,8 @@
-"""The hypernetwork selector: an embedding -> two FC layers -> one alpha per layer.
+"""The hypernetwork selector: an embedding -> two FC layers -> sigmoid, one alpha per layer.
 
-Training it costs no second forward pass and leaves the model's function untouched: the model
+The objective is the task loss with each layer's weights taken times its alpha. The model's
+parameters stand for that product (W_l = alpha_l * V_l), so training the hypernetwork costs no
+second forward pass and leaves the model's function untouched: the model
 is read as W_l * (alpha_l / stopgrad(alpha_l)), whose value is W_l, so the task loss's gradient
 with respect to alpha_l is <dL/dW_l, W_l> / alpha_l, computed from the gradients backward has
 already produced (pushed into the logits as <dL/dW_l, W_l> (1 - alpha_l), which stays finite
