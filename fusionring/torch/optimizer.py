@@ -24,6 +24,7 @@ from ..config import settings
 from ..ops import ReduceOp, resolve_op
 from ..process_sets import is_added, runtime_for
 from . import functions as F
+from .grad_scaler import teach_grad_scaler
 
 _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but before "
                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
@@ -181,6 +182,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._wire_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._synchronized = False
         self._should_synchronize = True
+        # synchronize() ran because a GradScaler was about to read the gradients: step() does
+        # not synchronize again, and does not warn as after a user's synchronize().
+        self._synchronized_for_scaler = False
+        teach_grad_scaler(DistributedOptimizer)
         self._hook_handles = []
         self._last_step_end = time.perf_counter()
         self._slowdown = settings().slowdown_factor
@@ -383,6 +388,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradient flow
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        # New gradients: a synchronize() before them (one whose step a GradScaler skipped)
+        # does not cover them.
+        self._synchronized = self._synchronized_for_scaler = False
         unit = self._units.get(p)
         if unit is not None:
             # Runs for every gradient of every step: kept to a few lookups.
@@ -675,7 +683,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Synchronize gradients (unless skipped), then run the wrapped optimizer's step."""
         self._slow_down()
-        if self._should_synchronize:
+        if self._should_synchronize and not self._synchronized_for_scaler:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
@@ -683,20 +691,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._synchronized_for_scaler = False
         if self._adasum and self._size > 1:
             # The local steps already ran (one per parameter, as its gradient was ready).
             self._last_step_end = time.perf_counter()
             return closure() if closure is not None else None
+        # A GradScaler hands a fused optimizer (_step_supports_amp_scaling) its scale and
+        # found-inf flag as attributes of the optimizer it was given: this wrapper.
+        handed = {name: self.__dict__[name] for name in ("grad_scale", "found_inf")
+                  if name in self.__dict__}
+        for name, value in handed.items():
+            setattr(self._optimizer, name, value)
         try:
             return self._optimizer.step(closure)
         finally:
+            for name in handed:
+                self._optimizer.__dict__.pop(name, None)
             self._last_step_end = time.perf_counter()
+
+    def _synchronize_for_scaler(self) -> None:
+        """A GradScaler is about to read the gradients: reduce them first (once per step)."""
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+            self._synchronized_for_scaler = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; refuses while allreduces of this step are in flight."""
         if self._handles:
             raise AssertionError(_RACE_MESSAGE)
+        if self._synchronized_for_scaler:  # the scaler skipped that step
+            self._synchronized = self._synchronized_for_scaler = False
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state
@@ -738,7 +762,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for unit in self._unit_list:
             unit.reset()
         self._reset_delays()
-        self._synchronized = False
+        self._synchronized = self._synchronized_for_scaler = False
         self._should_synchronize = True
         state_dict = dict(state_dict)
         extra = state_dict.pop("fusionring", None)
