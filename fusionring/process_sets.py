@@ -154,6 +154,15 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
                          f"{runtime.size} ranks")
     if process_set.process_set_id is not None and process_set.process_set_id in _registered:
         raise ValueError(f"add_process_set(): {process_set!r} is already added")
+    # As Horovod: no two sets of the same ranks (every rank: the global set). Registration is
+    # collective, so every rank finds the same and raises alike.
+    with _lock:
+        same = next((p for p in _registered.values() if p.ranks == ranks), None)
+    if same is None and ranks == list(range(runtime.size)):
+        same = global_process_set
+    if same is not None:
+        raise ValueError(f"Attempted to add a duplicate process set: ranks {ranks} are already "
+                         f"process set {same.process_set_id}")
     # Every rank must ask for the same set, in the same order, or communicators mismatch.
     # An agreement on the communicator the runtime was made from (it creates the
     # sub-communicator below, a collective on it anyway), not through the runtime's queue.
