@@ -93,11 +93,14 @@ def _at_least(least: int) -> Callable[[str], int]:
 
 def _flag(raw: str) -> bool:
     value = raw.lower()
-    if value in ("1", "true", "on", "yes"):
+    if value in ("true", "on", "yes"):
         return True
-    if value in ("0", "false", "off", "no"):
+    if value in ("false", "off", "no"):
         return False
-    raise ValueError(f"expected 1 or 0, got {raw!r}")
+    try:
+        return int(value) > 0  # as Horovod reads its switches: a number above 0 is on
+    except ValueError:
+        raise ValueError(f"expected a number (above 0: on) or true/false, got {raw!r}") from None
 
 
 def _timeline_path(raw: str) -> Optional[str]:

@@ -682,6 +682,11 @@ def load_plan(source: Union[None, str, os.PathLike, Mapping[str, Any], Plan] = N
         source = settings().grouping_plan_path
         if source is None or source == "auto":
             return None
+        try:
+            return Plan.load(source)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"FUSIONRING_GROUPING_PLAN={source!r}: no such plan file ({exc.strerror})") from None
     return Plan.load(source)
 
 

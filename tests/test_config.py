@@ -83,8 +83,11 @@ def test_cache_capacity_from_either_name(env):
 def test_gradient_buffer_switch(env):
     assert env().gradient_buffer
     assert not env(FUSIONRING_GRADIENT_BUFFER="off").gradient_buffer
-    with pytest.raises(ValueError, match="FUSIONRING_GRADIENT_BUFFER='2': expected 1 or 0"):
-        env(FUSIONRING_GRADIENT_BUFFER="2")
+    # switches read as Horovod reads its own: a number above 0 is on
+    assert env(FUSIONRING_GRADIENT_BUFFER="2").gradient_buffer
+    assert not env(FUSIONRING_GRADIENT_BUFFER="-1").gradient_buffer
+    with pytest.raises(ValueError, match="FUSIONRING_GRADIENT_BUFFER='sometimes': expected a number"):
+        env(FUSIONRING_GRADIENT_BUFFER="sometimes")
 
 
 def test_horovod_zero_threshold_turns_fusion_off(env):
@@ -104,12 +107,14 @@ def test_stall_check_disable(env):
     s = env(FUSIONRING_STALL_SHUTDOWN_S="20")
     assert s.stall_warning_s is None and s.stall_shutdown_s == 20.0
     assert env(HOROVOD_STALL_CHECK_DISABLE="0").stall_warning_s == 15.0
+    assert env(HOROVOD_STALL_CHECK_DISABLE="2").stall_warning_s is None  # Horovod: above 0 is on
+    assert env(HOROVOD_TIMELINE_MARK_CYCLES="2").timeline_mark_cycles
 
 
 def test_bad_value_names_the_variable_it_came_from(env):
     with pytest.raises(ValueError, match=r"HOROVOD_FUSION_THRESHOLD='64MB'"):
         env(HOROVOD_FUSION_THRESHOLD="64MB")
-    with pytest.raises(ValueError, match=r"HOROVOD_STALL_CHECK_DISABLE='maybe': expected 1 or 0"):
+    with pytest.raises(ValueError, match=r"HOROVOD_STALL_CHECK_DISABLE='maybe': expected a number"):
         env(HOROVOD_STALL_CHECK_DISABLE="maybe")
 
 

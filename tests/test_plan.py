@@ -347,6 +347,10 @@ def test_load_plan_none_reads_the_setting(tmp_path, monkeypatch):
         monkeypatch.setenv("FUSIONRING_GROUPING_PLAN", str(tmp_path / "p.json"))
         settings(reload=True)
         assert load_plan(None) == p
+        monkeypatch.setenv("FUSIONRING_GROUPING_PLAN", str(tmp_path / "missing.json"))
+        settings(reload=True)
+        with pytest.raises(FileNotFoundError, match="FUSIONRING_GROUPING_PLAN=.*missing.json"):
+            load_plan(None)
     finally:
         monkeypatch.delenv("FUSIONRING_GROUPING_PLAN", raising=False)
         settings(reload=True)

@@ -259,7 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from ..plan import load_plan
         from ..scheduler import tensor_groups_from_plan
 
-        plan = load_plan(source)
+        plan = load_plan(grouping_plan)  # None: the setting, named in its errors
         if named_parameters is None:
             raise ValueError("grouping_plan needs named_parameters (model.named_parameters()) "
                              "to match the plan's parameter names")
