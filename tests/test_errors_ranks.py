@@ -208,8 +208,9 @@ def test_stall_warns_then_fails_every_rank(tmp_path):
     assert results[1]["error"] and "'lonely'" in results[1]["error"]
     assert "allreduce 'lonely' waiting" in output  # the warning, on rank 0
     # A name no other rank has submitted makes every round a full exchange; the warning
-    # still comes once per check (every 0.25 s from 0.5 s to 2 s), not once per round.
-    assert output.count("waiting for the rest") <= 20, output[-2000:]
+    # still comes once per warning time, as Horovod's (at 0.5, 1 and 1.5 s, perhaps 2 s),
+    # neither once per round nor once per check (every 0.25 s).
+    assert 2 <= output.count("waiting for the rest") <= 4, output[-2000:]
 
 
 CLASH = r'''

@@ -154,6 +154,7 @@ class Runtime:
         self._shutdown_requested = False
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
+        self._last_stall_warning: Optional[float] = None
         self._quiet_cycles = 0
         self._eager_since: Optional[float] = None  # back-to-back rounds for a waiting caller
         self._join_request: Optional[Request] = None  # set while this rank is inside join()
@@ -484,7 +485,14 @@ class Runtime:
                     self._fail_everything(FusionRingError(reason))
                     return
                 if outcome.stall_warning and self.rank == 0:
-                    print(outcome.stall_warning, file=sys.stderr, flush=True)
+                    # As Horovod: once every warning time, though the check runs twice as
+                    # often (so a shutdown limit is met on time).
+                    now = time.monotonic()
+                    warn_s = self.config.stall_warning_s or 0.0
+                    if (self._last_stall_warning is None
+                            or now - self._last_stall_warning >= warn_s * 0.999):
+                        self._last_stall_warning = now
+                        print(outcome.stall_warning, file=sys.stderr, flush=True)
                 if outcome.abort:
                     # The stalled rank may never reach MPI_Finalize, which would then hold this
                     # one at exit with the launcher none the wiser: leave without it, failed.
