@@ -224,3 +224,40 @@ def test_float32_values_are_averaged_as_the_sum_divided_by_the_group_size(tmp_pa
     want = ((inputs[0] + inputs[1] + inputs[2]) / torch.tensor(3.0)).tolist()
     for r in results:
         assert r["out"] == want
+
+
+SHARED_STATE = r'''
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+state = hooks.NMState(n=2, m=4, values=torch.float32)
+first, second = DDP(model()), DDP(model())
+for ddp in (first, second):
+    ddp.register_comm_hook(state, hooks.nm_hook)
+out = {}
+x = torch.randn(4, 8)
+first(x).sum().backward()
+second(x).sum().backward()     # a new model for this state: met afresh, as after a restart
+try:
+    first(x).sum().backward()  # the first comes back: its buckets would share the second's keys
+    out["error"] = None
+except Exception as exc:       # noqa: BLE001 - DDP may wrap the hook's error
+    out["error"] = str(exc)
+# a state per model trains both in turn
+a, b = DDP(model()), DDP(model())
+a.register_comm_hook(hooks.NMState(n=2, m=4, values=torch.float32), hooks.nm_hook)
+b.register_comm_hook(hooks.NMState(n=2, m=4, values=torch.float32), hooks.nm_hook)
+for step in range(3):
+    for ddp in (a, b):
+        ddp(x).sum().backward()
+out["own states"] = True
+report(out)
+finish()
+'''
+
+
+def test_one_state_on_two_ddp_models_training_in_turn_is_refused(tmp_path):
+    for out in run_ranks(2, RANK_PRELUDE + SHARED_STATE, tmp_path, timeout=120):
+        assert out["error"] is not None and "give each DDP model its own state" in out["error"]
+        assert out["own states"]

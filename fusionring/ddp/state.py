@@ -7,6 +7,7 @@ codec from it, and save and load the codec's tensors (``codec_state``/``load_cod
 this base class makes the whole state picklable (``torch.save(state)``) and gives a
 ``state_dict()`` of plain types that ``torch.load(..., weights_only=True)`` reads back.
 """
+import weakref
 import zlib
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -60,6 +61,11 @@ class HookState:
         # (DDP's initial layout); part of the bucket keys, and not saved: a restarted process
         # meets them in the same order again.
         self._places: Dict[int, int] = {}
+        # The parameters of the DDP model this state serves, and of the models it served
+        # before (weakly: a model dropped is forgotten), to refuse one state on two models.
+        # (id -> parameter, as tensors compare by value, not identity, in a WeakSet)
+        self._current: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._retired: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- per step
     def check_hook(self, hook: str, kind: type) -> None:
@@ -82,9 +88,21 @@ class HookState:
         """The key under which this state keeps `bucket`'s state (:func:`bucket_key`)."""
         params = bucket.parameters()
         if bucket.index() == 0 and not any(id(p) in self._places for p in params):
+            if any(self._retired.get(id(p)) is p for p in params):
+                # Bucket keys are positions in a model's layout: two models' residuals and
+                # masks would be mixed under the same keys.
+                raise ValueError(
+                    f"{type(self).__name__} is registered on two DDP models that train in turn "
+                    f"(a bucket of the model it served before came back): give each DDP "
+                    f"model its own state")
             # A new DDP model registered with this state: its parameters are met afresh, in
             # its initial layout, as a restarted process meets them.
             self._places = {}
+            self._retired.update(self._current)
+            self._current = weakref.WeakValueDictionary()
+        for p in params:
+            if id(p) not in self._places:
+                self._current[id(p)] = p
         places = [self._places.setdefault(id(p), len(self._places)) for p in params]
         return bucket_key(bucket, places)
 
