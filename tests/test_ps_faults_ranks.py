@@ -175,3 +175,29 @@ def test_an_unwritable_record_path_fails_every_rank_at_the_start(tmp_path):
     for r in results[1:]:   # the workers, in DistributedOptimizer(), before any training
         assert r is None or message in r, r
     assert any(r is not None for r in results[1:]), output[-3000:]
+
+
+NO_OPTIMIZER = r'''
+import sys, torch
+from fusionring import ps
+ps.init(num_servers=1)
+k = ps.worker_rank()
+if sys.argv[1] == "one" and k == 0:
+    model = torch.nn.Linear(3, 1)
+    opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+print(f"worker {k} shuts down", flush=True)
+ps.shutdown()
+'''
+
+
+def test_workers_that_build_no_optimizer_end_the_job_cleanly(tmp_path):
+    # ps.init() then ps.shutdown() on every worker: the server has nothing to serve and exits 0
+    rc, output, took = _launch(tmp_path, NO_OPTIMIZER, ["none"], [], timeout=90)
+    assert rc == 0, output[-3000:]
+    assert output.count("shuts down") == 2
+    # one worker builds an optimizer, the other shuts down first: an error naming both
+    rc, output, took = _launch(tmp_path, NO_OPTIMIZER, ["one"], [], timeout=90)
+    assert rc != 0
+    assert "worker 1 called ps.shutdown() before building ps.DistributedOptimizer" in output, output[-3000:]
+    assert "worker 0 built one" in output

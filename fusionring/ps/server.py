@@ -19,7 +19,7 @@ import io
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
 import torch
@@ -230,23 +230,36 @@ class Server:
                       flush=True)
 
     # ------------------------------------------------------------------ start
-    def _start(self) -> None:
-        """Every worker's hello: check the models agree with worker 0's, build parameters and optimizer."""
+    def _start(self) -> bool:
+        """Every worker's hello: check the models agree with worker 0's, build parameters and optimizer.
+
+        False when every worker shut down without building a ps.DistributedOptimizer: nothing to serve."""
         hellos: Dict[int, dict] = {}
+        gone: Set[int] = set()
         values = None
-        while len(hellos) < self.num_workers:
+        while len(hellos) + len(gone) < self.num_workers:
             k, header, data = self._next_message(waiting_for_hello=True)
             if header.kind == protocol.HEARTBEAT:
                 continue
             if header.kind == protocol.FAILED:
                 self._fail(_ERROR_TYPES.get(header.fields.get("type"), FusionRingError)(
                     header.fields["message"]))
+            if header.kind == protocol.BYE:
+                gone.add(k)
+                continue
             if header.kind != protocol.HELLO:
                 self._fail(FusionRingError(f"worker {k} sent {header.kind!r} before its model description"))
             hellos[k] = header.fields
             self.owed.add(k)  # it waits for the others' hellos: this server's heartbeat tells it the server lives
             if k == 0:
                 values = data
+        if not hellos:
+            return False  # a job that built no optimizer (ps.init(), then ps.shutdown()) ends cleanly
+        if gone:
+            self._fail(FusionRingError(
+                f"worker{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} called ps.shutdown() "
+                f"before building ps.DistributedOptimizer, while worker{'s' if len(hellos) > 1 else ''} "
+                f"{', '.join(map(str, sorted(hellos)))} built one: every worker builds it, or none"))
         self._check_record_path()  # once every worker waits for the answer, so each gets the error at once
         ref = hellos[0]
         for k in range(1, self.num_workers):
@@ -285,6 +298,7 @@ class Server:
         parts = self._param_parts()
         for k in range(self.num_workers):
             self._reply(k, parts)
+        return True
 
     def _build_optimizer(self, optimizer_class: type, groups: List[dict]) -> Optional[torch.optim.Optimizer]:
         own = set(self.names)
@@ -488,7 +502,8 @@ class Server:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Serve until every worker has said bye."""
-        self._start()
+        if not self._start():
+            return
         while self.active:
             k, header, data = self._next_message()
             f = header.fields
