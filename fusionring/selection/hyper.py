@@ -119,6 +119,10 @@ class HyperSelector(LayerSelector):
             self.credit[i] = 0.0
         return chosen
 
+    # The hypernetwork trains on this rank's own gradients; the credit, from scores summed
+    # over the ranks, is the same everywhere.
+    per_rank_state = ("net", "optimizer", "prev_alpha", "prob")
+
     def state_dict(self) -> dict:
         return {**super().state_dict(),
                 "net": [p.detach().clone() for p in self.net_params],

@@ -105,6 +105,10 @@ class LayerSelector:
         assert self.acc is not None
         return top_k(total_scores, self.k, self.acc.forced())
 
+    # Entries of state_dict() that each rank computes from its own gradients (beside the
+    # accumulator's residual): a rank loading another rank's state keeps its own.
+    per_rank_state: tuple = ()
+
     def state_dict(self) -> dict:
         assert self.acc is not None
         return {"step": self.step_count, "acc": self.acc.state_dict()}

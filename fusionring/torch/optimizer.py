@@ -782,6 +782,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             acc = self._selection.acc
             own = acc.state_dict()["residual"] if acc is not None else {}
             selection = dict(selection, acc=dict(selection["acc"], residual=own))
+            mine = self._selection.state_dict()
+            selection.update({key: mine[key] for key in self._selection.per_rank_state
+                              if key in mine})
         if foreign and not broadcast and (compression is not None or selection is not None):
             warnings.warn(f"DistributedOptimizer on rank {F.rank()}: the state was saved by rank "
                           f"{saver}, and residuals are each rank's own; this rank keeps its own "
