@@ -317,3 +317,45 @@ def test_broadcast_optimizer_state_keeps_each_ranks_own_hypernetwork(tmp_path):
     # a broadcast mid-run (TorchState.sync() makes one) changes neither.
     for out in run_ranks(2, BROADCAST_KEEPS_OWN, tmp_path, timeout=120):
         assert out["same"]
+
+
+RESUME = '''
+import os
+import torch
+import fusionring.torch as hvd
+hvd.init()
+rank = hvd.rank()
+MODE, COMP, DIR = os.environ["MODE"], os.environ["COMP"], os.environ["CKPT"]
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+compression = (hvd.Compression.nm(2, 4, shared_mask=False) if COMP == "nm"
+               else hvd.Compression.cluster(k=4))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               named_parameters=model.named_parameters(), compression=compression,
+                               layer_selection=hvd.LayerSelection.norm(0.5))
+path = os.path.join(DIR, f"rank{rank}.pt")
+steps = range(12) if MODE == "full" else range(6) if MODE == "first" else range(6, 12)
+if MODE == "second":
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+for step in steps:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g)).square().mean().backward()
+    opt.step()
+if MODE == "first":
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+report([p.detach().numpy().tobytes().hex() for p in model.parameters()])
+'''
+
+
+@pytest.mark.parametrize("comp", ["nm", "cluster"])
+def test_a_resumed_run_with_per_rank_masks_continues_bit_for_bit(tmp_path, comp):
+    # The chosen layers are laid out in layer order, not in the order a job first negotiated
+    # their names, which the resumed job meets afresh.
+    env = {"COMP": comp, "CKPT": str(tmp_path)}
+    full = run_ranks(2, RESUME, tmp_path / "full", timeout=120, env=dict(env, MODE="full"))
+    run_ranks(2, RESUME, tmp_path / "first", timeout=120, env=dict(env, MODE="first"))
+    resumed = run_ranks(2, RESUME, tmp_path / "second", timeout=120, env=dict(env, MODE="second"))
+    assert resumed == full

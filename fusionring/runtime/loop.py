@@ -121,6 +121,7 @@ class Runtime:
         self._scheduler = FusionScheduler(None, self.config.fusion_threshold_bytes)
         self._group_sets: Dict[str, List[List[str]]] = {}  # label -> its groups, oldest first
         self._group_labels = itertools.count()
+        self._group_submissions = itertools.count()
         self.stats = Stats()
 
         self._lock = threading.Lock()
@@ -218,6 +219,9 @@ class Runtime:
         fuses them together; returns their handles. Nothing is queued when one fails."""
         with self._lock:
             self._check_submittable(requests)
+            group = next(self._group_submissions)
+            for place, request in enumerate(requests):
+                request.group_place = (group, place)
             return [self._enqueue(request, burst) for request in requests]
 
     def _check_submittable(self, requests: List[Request]) -> None:
@@ -509,6 +513,7 @@ class Runtime:
                         request = self._stand_in(item)
                     request.ready_info = item
                     ready.append(request)
+                ready = _in_group_order(ready)
                 timeline = self._timeline  # start/stop_timeline may swap it meanwhile
                 if timeline is not None:
                     timeline.mark_cycle()
@@ -769,6 +774,28 @@ class Runtime:
     def _through_shared_memory(self, requests: List[Request], kind: str) -> bool:
         """Whether this batch goes through the shared-memory window rather than the ring."""
         return self._shm_op.enabled(requests, kind)
+
+
+def _in_group_order(ready: List[Request]) -> List[Request]:
+    """`ready` with the compressed members of each grouped submission in the order given,
+    at the place of the group's first member; everything else stays where it was.
+
+    Ready tensors come in the order their names were first negotiated, which a new job (a
+    resumed one) meets afresh. A compressor with per-rank masks (or samples) depends on the
+    fused layout, so a group's layout must not: every rank submits the group's names in the
+    same order, so every rank lays it out alike. Only compressed requests are moved, and a
+    compressed operation has a request on every rank (no joined rank's stand-in)."""
+    if not any(r.group_place is not None and r.spec.compression for r in ready):
+        return ready
+    anchor: Dict[int, int] = {}
+    keys = []
+    for position, request in enumerate(ready):
+        if request.group_place is not None and request.spec.compression:
+            group, place = request.group_place
+            keys.append((anchor.setdefault(group, position), place))
+        else:
+            keys.append((position, -1))
+    return [request for _, request in sorted(zip(keys, ready), key=lambda pair: pair[0])]
 
 
 def _merge_group_sets(group_sets: Dict[str, List[List[str]]]) -> Optional[List[List[str]]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,9 @@ class Request:
     done: Done = dataclasses.field(default_factory=Done)
     error: Optional[BaseException] = None
     payload: Any = None                  # kind-specific data (e.g. fusion groups)
+    # (submission, place) of a request submitted in a group (submit_group): a compressed
+    # group is laid out in its given order, not in the order its names were first negotiated.
+    group_place: Optional[Tuple[int, int]] = None
     # A compressor that reduces inside the runtime: called on the background thread as
     # communicator(ReductionContext) in place of the plain ring allreduce; it reads and
     # writes each output where it lies (no pack or unpack copy) and returns the bytes it sent.

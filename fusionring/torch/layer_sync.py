@@ -34,7 +34,8 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
                         process_set=process_set) if multi else scores
     chosen = selection.choose(total.tolist())
     selection.step_count += 1
-    sent = [n for i in chosen for n in selection.layers[i] if n in summed]
+    # in layer order: the group's layout, which per-rank masks depend on, then repeats
+    sent = [n for i in sorted(chosen) for n in selection.layers[i] if n in summed]
     for n in sent:  # a 16-bit layer's float32 sum travels in its own dtype
         summed[n] = summed[n].to(by_name[n].dtype)
     if multi and sent:
