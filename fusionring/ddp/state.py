@@ -100,10 +100,13 @@ class HookState:
             self._places = {}
             self._retired.update(self._current)
             self._current = weakref.WeakValueDictionary()
+        places = []
         for p in params:
-            if id(p) not in self._places:
+            place = self._places.get(id(p))
+            if place is None:  # met for the first time: one pass, not one per bucket per step
+                place = self._places[id(p)] = len(self._places)
                 self._current[id(p)] = p
-        places = [self._places.setdefault(id(p), len(self._places)) for p in params]
+            places.append(place)
         return bucket_key(bucket, places)
 
     def _carry_residuals(self, bucket: dist.GradBucket, key: str) -> None:
