@@ -15,6 +15,7 @@ import unittest
 import torch
 
 import horovod.torch as hvd
+from horovod.torch.mpi_ops import synchronize
 
 sys.path.append(os.path.join(os.path.dirname(__file__), os.pardir, 'utils'))
 
@@ -24,7 +25,7 @@ from common import in_thread, mock
 class TorchTests(unittest.TestCase):
     def test_allreduce_sums(self):
         hvd.init()
-        got = hvd.allreduce(torch.ones(3), op=hvd.Sum)
+        got = synchronize(hvd.allreduce_async(torch.ones(3), op=hvd.Sum))
         assert torch.equal(got, torch.full((3,), float(hvd.size())))
         assert callable(in_thread) and mock.MagicMock is not None
 
