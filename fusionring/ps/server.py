@@ -32,19 +32,33 @@ from .protocol import Header
 from .sync import Decision, make_policy
 
 
-def numeric_hyper(value: Any) -> bool:
-    """A hyper-parameter a push may change on the server: a number, or a tuple of numbers (Adam's betas)."""
+def _number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, (int, float)):
         return True
-    return isinstance(value, tuple) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    # torch's optimizers take a one-value tensor lr (and betas); LR schedulers fill it in place
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool
+
+
+def numeric_hyper(value: Any) -> bool:
+    """A hyper-parameter a push may change on the server: a number or one-value tensor, or a tuple of them (Adam's
+    betas)."""
+    if isinstance(value, tuple):
+        return all(_number(v) for v in value)
+    return _number(value)
 
 
 def set_hyper(group: dict, hyper: dict) -> None:
     """Copy a push's numeric hyper-parameters into an optimizer param group (keys the group already has)."""
     for key, value in hyper.items():
-        if key != "params" and key in group and numeric_hyper(value):
+        if key == "params" or key not in group or not numeric_hyper(value):
+            continue
+        current = group[key]
+        if isinstance(current, torch.Tensor) and not isinstance(value, tuple):
+            # in place, as torch's LR schedulers update a tensor lr: the optimizer keeps its own tensor
+            current.fill_(value.item() if isinstance(value, torch.Tensor) else value)
+        else:
             group[key] = value
 
 
