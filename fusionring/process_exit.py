@@ -8,9 +8,11 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from typing import Callable
 
 _registered = False
 _failed = False
+_hooked = False
 
 
 def exit_nonzero_without_finalize() -> None:
@@ -42,3 +44,29 @@ def recovered() -> None:
     """The job went on after the failure (every rank started a new runtime): end as usual."""
     global _failed
     _failed = False
+
+
+def exit_on_uncaught(cleanup: Callable[[], None]) -> None:
+    """Once: an exception that ends the script (``KeyboardInterrupt`` too) ends this process with
+    status 1 right after its traceback and ``cleanup()``, without MPI_Finalize. Under MPICH,
+    MPI_Finalize waits for every other rank to finalize, so a peer busy outside the library (an
+    evaluation, a stuck data loader) would keep the failed rank, and with it the job, alive; a
+    process that exits unfinalized makes the launcher end the job at once. An interactive
+    session's exceptions end nothing and are left alone."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        if hasattr(sys, "ps1") or sys.flags.interactive:
+            return
+        try:
+            cleanup()
+        except BaseException:  # noqa: BLE001 - the exception being reported matters more
+            pass
+        exit_nonzero_without_finalize()
+
+    sys.excepthook = hook

@@ -110,6 +110,7 @@ def init(comm=None) -> Runtime:
         atexit.register(close_shared_memory)
         atexit.register(shutdown)
         _atexit_registered = True
+        process_exit.exit_on_uncaught(shutdown)
     return _runtime
 
 

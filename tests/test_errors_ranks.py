@@ -556,3 +556,26 @@ def test_a_rank_that_stalls_ends_the_job_failed_instead_of_holding_it(tmp_path):
                                 env={"FUSIONRING_STALL_SHUTDOWN_S": "2"})
     assert code != 0 and "StallError" in output
     assert time.monotonic() - started < 45, output[-2000:]
+
+
+RAISES_WHILE_PEER_IS_BUSY = r'''
+import os, time
+import torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(4), name="first")
+if hvd.rank() == 1:
+    time.sleep(120)          # busy outside the library (a long evaluation, a stuck loader)
+raise {error}("rank 0 ends on an error of its own")
+'''
+
+
+@pytest.mark.parametrize("error", ["RuntimeError", "KeyboardInterrupt"])
+def test_a_rank_that_ends_on_its_own_exception_ends_the_job_while_a_peer_is_busy(tmp_path, error):
+    """An uncaught exception (or Ctrl-C) on one rank ends that rank at once with a failure:
+    MPI_Finalize would wait for the busy peer, so the launcher would never learn of it."""
+    started = time.monotonic()
+    _, code, output = run_ranks(2, RAISES_WHILE_PEER_IS_BUSY.format(error=error), tmp_path,
+                                timeout=100, expect_failure=True)
+    assert code != 0 and f"{error}: rank 0 ends on an error of its own" in output, output[-2000:]
+    assert time.monotonic() - started < 45, output[-2000:]

@@ -201,3 +201,35 @@ def test_workers_that_build_no_optimizer_end_the_job_cleanly(tmp_path):
     assert rc != 0
     assert "worker 1 called ps.shutdown() before building ps.DistributedOptimizer" in output, output[-3000:]
     assert "worker 0 built one" in output
+
+
+INTERRUPTED = r'''
+import time, torch
+from fusionring import ps
+ps.init(num_servers=1)
+k = ps.worker_rank()
+model = torch.nn.Linear(3, 1)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              named_parameters=model.named_parameters(), sync="asp")
+for step in range(3):
+    opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
+if k == 0:
+    time.sleep(100)  # busy outside the library
+raise KeyboardInterrupt  # Ctrl-C on worker 1
+'''
+
+
+def test_ctrl_c_on_a_worker_ends_the_job_at_once(tmp_path):
+    """MPI_Finalize would wait for the busy worker and the servers' time limit is long: the
+    interrupted worker leaves unfinalized, and the launcher ends the job."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(INTERRUPTED))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               FUSIONRING_PS_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
+    env.pop("FUSIONRING_STALL_SHUTDOWN_S", None)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(script)], env=env,
+                          capture_output=True, text=True, timeout=110, cwd=str(tmp_path))
+    took, output = time.monotonic() - start, proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert took < 30, (took, output[-3000:])

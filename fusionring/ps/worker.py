@@ -23,7 +23,7 @@ from ..compression import Compression
 from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
-from ..process_exit import exit_nonzero_without_finalize
+from ..process_exit import exit_nonzero_without_finalize, exit_on_uncaught
 from . import payload, protocol
 from .protocol import Header
 from .sync import SYNC_MODES
@@ -168,7 +168,12 @@ def init(num_servers: int = 1) -> None:
         serve(comm, num_servers)
         sys.exit(0)
     _report_uncaught_exceptions()
+    exit_on_uncaught(_nothing)  # Ctrl-C on a worker, too, ends the job at once
     _start_heartbeat(_job)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _report_uncaught_exceptions() -> None:
