@@ -84,7 +84,10 @@ def _factor(raw: str) -> float:
 def _at_least(least: int) -> Callable[[str], int]:
     """A reader of whole numbers >= `least` (byte sizes the core needs to be positive)."""
     def read(raw: str) -> int:
-        value = _count(raw)
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"expected a whole number of {least} or more, got {raw!r}") from None
         if value < least:
             raise ValueError(f"expected a whole number of {least} or more, got {raw!r}")
         return value
@@ -97,10 +100,18 @@ def _flag(raw: str) -> bool:
         return True
     if value in ("false", "off", "no"):
         return False
+    # As Horovod reads its switches (strtol(...) > 0): a number whose whole part is above 0 is on.
     try:
-        return int(value) > 0  # as Horovod reads its switches: a number above 0 is on
+        return int(value) > 0
     except ValueError:
-        raise ValueError(f"expected a number (above 0: on) or true/false, got {raw!r}") from None
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"expected a number (above 0: on) or true/false, got {raw!r}")
+    return math.trunc(number) > 0
 
 
 def _timeline_path(raw: str) -> Optional[str]:

@@ -109,6 +109,9 @@ def test_stall_check_disable(env):
     assert env(HOROVOD_STALL_CHECK_DISABLE="0").stall_warning_s == 15.0
     assert env(HOROVOD_STALL_CHECK_DISABLE="2").stall_warning_s is None  # Horovod: above 0 is on
     assert env(HOROVOD_TIMELINE_MARK_CYCLES="2").timeline_mark_cycles
+    # strtol's reading of a decimal: its whole part
+    assert env(HOROVOD_TIMELINE_MARK_CYCLES="1.0").timeline_mark_cycles
+    assert not env(HOROVOD_TIMELINE_MARK_CYCLES="0.5").timeline_mark_cycles
 
 
 def test_bad_value_names_the_variable_it_came_from(env):
@@ -116,6 +119,15 @@ def test_bad_value_names_the_variable_it_came_from(env):
         env(HOROVOD_FUSION_THRESHOLD="64MB")
     with pytest.raises(ValueError, match=r"HOROVOD_STALL_CHECK_DISABLE='maybe': expected a number"):
         env(HOROVOD_STALL_CHECK_DISABLE="maybe")
+
+
+def test_bad_switches_and_sizes_name_what_they_expect(env):
+    with pytest.raises(ValueError, match=r"HOROVOD_STALL_CHECK_DISABLE='nan': expected a number"):
+        env(HOROVOD_STALL_CHECK_DISABLE="nan")
+    env(HOROVOD_STALL_CHECK_DISABLE="0")
+    for raw in ("abc", "-1"):  # the least a segment may be is named, not 0
+        with pytest.raises(ValueError, match=r"FUSIONRING_RING_SEGMENT_BYTES=.*of 1 or more"):
+            env(FUSIONRING_RING_SEGMENT_BYTES=raw)
 
 
 HOROVOD_ENV_JOB = """

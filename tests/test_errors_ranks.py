@@ -579,3 +579,34 @@ def test_a_rank_that_ends_on_its_own_exception_ends_the_job_while_a_peer_is_busy
                                 timeout=100, expect_failure=True)
     assert code != 0 and f"{error}: rank 0 ends on an error of its own" in output, output[-2000:]
     assert time.monotonic() - started < 45, output[-2000:]
+
+
+COLLECTIVE_IN_A_FORKED_WORKER = r'''
+import torch
+import fusionring.torch as hvd
+from torch.utils.data import DataLoader, Dataset
+
+class Calls(Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        try:
+            hvd.allreduce(torch.ones(1), name=f"in_worker_{i}")
+            return "no error"
+        except hvd.HorovodInternalError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+hvd.init()
+errors = [e for batch in DataLoader(Calls(), batch_size=None, num_workers=1,
+                                    multiprocessing_context="fork") for e in [batch]]
+report({"errors": errors, "after": hvd.allreduce(torch.ones(1), name="after", op=hvd.Sum).item()})
+'''
+
+
+def test_a_collective_in_a_forked_data_loader_worker_is_refused_naming_the_fork(tmp_path):
+    """A forked child inherits the runtime but not its thread; it is told it is no rank."""
+    results = run_ranks(2, COLLECTIVE_IN_A_FORKED_WORKER, tmp_path, timeout=90)
+    for rank, r in enumerate(results):
+        assert len(r["errors"]) == 2 and r["after"] == 2.0, r
+        for error in r["errors"]:
+            assert f"was forked from rank {rank}" in error and "DataLoader worker" in error, r

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -58,6 +59,7 @@ class Runtime:
         from mpi4py import MPI
 
         self._MPI = MPI
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits this object
         warn_unless_thread_multiple(MPI)
         self.config = config or settings()
         base = comm if comm is not None else MPI.COMM_WORLD
@@ -210,6 +212,7 @@ class Runtime:
         `burst`: more submissions follow soon (a backward pass's gradients), so the next round
         may wait for them, until end_burst(), a caller blocks, or a few cycle times pass.
         """
+        self._check_process()
         with self._lock:
             self._check_submittable([request])
             return self._enqueue(request, burst)
@@ -217,12 +220,22 @@ class Runtime:
     def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
         """Queue several requests at once (a grouped collective), so the loop negotiates and
         fuses them together; returns their handles. Nothing is queued when one fails."""
+        self._check_process()
         with self._lock:
             self._check_submittable(requests)
             group = next(self._group_submissions)
             for place, request in enumerate(requests):
                 request.group_place = (group, place)
             return [self._enqueue(request, burst) for request in requests]
+
+    def _check_process(self) -> None:
+        # Before the lock: a fork may have copied it held by the loop, which the child lacks.
+        if os.getpid() != self._pid:
+            rank = self.rank if self.global_ranks is None else self.global_ranks[self.rank]
+            raise FusionRingError(
+                f"process {os.getpid()} was forked from rank {rank} (process {self._pid}), a "
+                f"DataLoader worker for example: it is no rank and cannot take part in "
+                f"collectives; call them in the rank's own process")
 
     def _check_submittable(self, requests: List[Request]) -> None:
         # Under the lock.
