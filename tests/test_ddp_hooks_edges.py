@@ -194,6 +194,19 @@ def test_a_state_of_another_kind_or_a_group_that_is_not_one_is_refused_naming_it
     with pytest.raises(TypeError, match="layer_selection_hook needs a LayerSelectionState"):
         hooks.layer_selection_hook(cluster, Bucket())
     assert layers is not None
+    # a rank that new_group() left out holds a marker, not a group
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match="this rank is not a member of the process group"):
+        hooks.NMState(process_group=dist.GroupMember.NON_GROUP_MEMBER)
+    # another kind's state_dict is named before its configuration is used
+    with pytest.raises(ValueError, match="saved by ClusterState, but this is NMState"):
+        hooks.NMState.from_state_dict(cluster.state_dict())
+    with pytest.raises(ValueError, match="saved by NMState, but this is LayerSelectionState"):
+        hooks.LayerSelectionState.from_state_dict(hooks.NMState().state_dict())
+    with pytest.raises(TypeError, match="needs a hook state's state_dict"):
+        hooks.ClusterState.from_state_dict([1, 2])
+    with pytest.raises(TypeError, match="model= must be a torch.nn.Module"):
+        hooks.LayerSelectionState(model="x")
 
 
 WIDE_VALUES = r'''

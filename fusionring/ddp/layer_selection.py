@@ -103,6 +103,9 @@ class LayerSelectionState(HookState):
 
     def attach(self, model: torch.nn.Module) -> None:
         """Learn `model`'s layers; a selector built with its own model must hold the same ones."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"LayerSelectionState: model= must be a torch.nn.Module (the model or "
+                            f"its DDP wrapper), not {type(model).__name__}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if self.selection.params:
             if {id(p) for p in self.selection.params.values()} != {id(p) for _, p in named}:
@@ -155,6 +158,7 @@ class LayerSelectionState(HookState):
     def from_state_dict(cls, state: Dict[str, Any], process_group: Optional[dist.ProcessGroup] = None,
                         model: Optional[torch.nn.Module] = None) -> "LayerSelectionState":
         """A new state from ``state_dict()``, attached to `model` when given."""
+        cls._check_kind(state)
         new = cls(process_group=process_group, **state["config"])
         new.load_state_dict(state)
         if model is not None:

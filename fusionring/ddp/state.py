@@ -47,6 +47,12 @@ class HookState:
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        if (process_group is not None and not isinstance(process_group, dist.ProcessGroup)
+                and process_group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())):
+            raise ValueError(f"{type(self).__name__}: this rank is not a member of the process "
+                             f"group given as process_group= (new_group() returns a marker, "
+                             f"{process_group!r}, on the ranks it leaves out); build the state "
+                             f"with the group of the DDP model this rank belongs to")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"{type(self).__name__}: process_group must be a "
                             f"torch.distributed.ProcessGroup or None, not "
@@ -194,6 +200,16 @@ class HookState:
         """Configuration and per-bucket state as tensors and plain types (no process group)."""
         return {"kind": type(self).__name__, "config": self.config(), "codec": self.codec_state()}
 
+    @classmethod
+    def _check_kind(cls, state: Dict[str, Any]) -> None:
+        # Before the configuration is used as another kind's keyword arguments.
+        if not isinstance(state, dict) or "kind" not in state:
+            raise TypeError(f"{cls.__name__}.from_state_dict needs a hook state's state_dict(), "
+                            f"not {type(state).__name__}")
+        if state["kind"] != cls.__name__:
+            raise ValueError(f"hook state was saved by {state['kind']}, but this is "
+                             f"{cls.__name__}: load it with {state['kind']}.from_state_dict")
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore ``state_dict()``; ValueError if it was saved by another kind or configuration."""
         if state.get("kind") != type(self).__name__ or state.get("config") != self.config():
@@ -208,6 +224,7 @@ class HookState:
     def from_state_dict(cls, state: Dict[str, Any],
                         process_group: Optional[dist.ProcessGroup] = None) -> "HookState":
         """A new state built from ``state_dict()``'s configuration, with its tensors loaded."""
+        cls._check_kind(state)
         new = cls(process_group=process_group, **state["config"])
         new.load_state_dict(state)
         return new
