@@ -24,6 +24,7 @@ from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
 from ..process_exit import exit_nonzero_without_finalize, exit_on_uncaught
+from ..straggler import Straggler
 from . import payload, protocol
 from .protocol import Header
 from .sync import SYNC_MODES
@@ -366,6 +367,7 @@ class DistributedOptimizer:
         names = [n for n, _ in named]
         by_id = {id(p): n for n, p in named}
         self._job = job
+        self._straggler = Straggler.from_settings()
         self._named = named
         self._params = dict(named)
         self._landing: Dict[str, torch.Tensor] = {}  # a GPU model's parameters arrive here
@@ -526,6 +528,8 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._straggler is not None:
+            self._straggler.step()  # before the push: a slower worker pushes later
         self._iteration += 1
         hyper = [self._hyper(g) for g in self.optimizer.param_groups]
         grads = self._gradients()
@@ -558,6 +562,8 @@ class DistributedOptimizer:
                 job.stats["bytes_sent"] += buffers.size
         job.stats["pushes"] += 1
         self._receive_params()
+        if self._straggler is not None:
+            self._straggler.step_ended()
         # The wrapped optimizer's step ran on the servers. A learning-rate scheduler on it checks that its
         # step was called (torch's counter) and would otherwise warn that it is stepped first.
         self.optimizer._opt_called = True

@@ -23,6 +23,7 @@ from ..compression.base import compress_named
 from ..config import settings
 from ..ops import ReduceOp, resolve_op
 from ..process_sets import is_added, runtime_for
+from ..straggler import Straggler
 from . import functions as F
 from .grad_scaler import teach_grad_scaler
 
@@ -187,8 +188,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized_for_scaler = False
         teach_grad_scaler(DistributedOptimizer)
         self._hook_handles = []
-        self._last_step_end = time.perf_counter()
-        self._slowdown = settings().slowdown_factor
+        self._straggler = Straggler.from_settings()
         self._size = 1 if self._outside_set else runtime.size
         self._process_set = process_set
         # The gradients in the order they become ready, while the first step records it for
@@ -391,6 +391,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # New gradients: a synchronize() before them (one whose step a GradScaler skipped)
         # does not cover them.
         self._synchronized = self._synchronized_for_scaler = False
+        if self._straggler is not None:
+            self._straggler.gradient_ready()
         unit = self._units.get(p)
         if unit is not None:
             # Runs for every gradient of every step: kept to a few lookups.
@@ -675,14 +677,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def _slow_down(self) -> None:
-        # Straggler emulation (fusionrun --slow): stretch this rank's compute time.
-        if self._slowdown > 1.0:
-            time.sleep((self._slowdown - 1.0) * (time.perf_counter() - self._last_step_end))
-
     def step(self, closure=None):
         """Synchronize gradients (unless skipped), then run the wrapped optimizer's step."""
-        self._slow_down()
+        if self._straggler is not None:
+            self._straggler.step()
         if self._should_synchronize and not self._synchronized_for_scaler:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -694,7 +692,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = self._synchronized_for_scaler = False
         if self._adasum and self._size > 1:
             # The local steps already ran (one per parameter, as its gradient was ready).
-            self._last_step_end = time.perf_counter()
+            if self._straggler is not None:
+                self._straggler.step_ended()
             return closure() if closure is not None else None
         # A GradScaler hands a fused optimizer (_step_supports_amp_scaling) its scale and
         # found-inf flag as attributes of the optimizer it was given: this wrapper.
@@ -707,7 +706,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             for name in handed:
                 self._optimizer.__dict__.pop(name, None)
-            self._last_step_end = time.perf_counter()
+            if self._straggler is not None:
+                self._straggler.step_ended()
 
     def _synchronize_for_scaler(self) -> None:
         """A GradScaler is about to read the gradients: reduce them first (once per step)."""
