@@ -217,7 +217,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--cases", default="equal,straggler", help="equal, straggler or both")
+    parser.add_argument("--cases", default="equal,straggler",
+                        help="comma-separated: equal, straggler (both by default)")
     parser.add_argument("--rate", help="run every contender on the emulated cluster (fusionrun --cluster, "
                         "root), one host per rank, with links of this rate each way (e.g. 1gbit)")
     parser.add_argument("--timeout", type=float, default=600)
@@ -234,10 +235,18 @@ def main() -> None:
     from fusionring.datasets import load_digits_split
     seeds = [int(s) for s in args.seeds.split(",")]
     contenders = args.contenders.split(",")
+    for name in contenders:
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
+    if len(set(contenders)) != len(contenders):
+        parser.error(f"--contenders names one twice: {args.contenders}")
+    cases = args.cases.split(",")
+    for case in cases:
+        if case not in ("equal", "straggler"):
+            parser.error(f"unknown case {case!r}; known: equal, straggler")
     train_size = len(load_digits_split(seeds[0])[0][0])
     samples = train_size * args.epochs
     steps_per_worker = args.epochs * -(-(train_size // WORKERS) // args.batch_size)
-    cases = args.cases.split(",")
     report: List[str] = []
     results = {}
     delay_ms = 0.0

@@ -40,6 +40,8 @@ def run_driver(args: argparse.Namespace, command: str) -> int:
         runs = load_runs(args.from_json)
     else:
         contenders = args.contenders.split(",") if args.contenders else default_contenders()
+        if len(set(contenders)) != len(contenders):
+            raise SystemExit(f"fusionring bench: --contenders names one twice: {args.contenders}")
         for contender in contenders:
             spec = CONTENDERS.get(contender)
             if spec is None:

@@ -290,6 +290,7 @@ class Run:
 
     def save(self, path: str) -> None:
         """Keep the run to rewrite its document later without measuring again."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(self), f)
 
@@ -388,6 +389,7 @@ def finish_run(run: "Run", args, targets: Callable[[list], List[str]],
     for line in targets(run.results):
         print(line)
     if not args.no_doc:
+        os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
         png = os.path.splitext(args.doc)[0] + ".png"
         plot(run.results, png)
         write_doc(os.path.basename(png))
