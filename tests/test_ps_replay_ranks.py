@@ -1,5 +1,6 @@
 """A recorded arrival order (FUSIONRING_PS_RECORD) replayed in one process through the sync policy and the
-optimizer gives the server's parameters bit for bit, under asp, ssp and adaptive with a slowed worker."""
+optimizer gives the server's parameters bit for bit, under asp, ssp and adaptive with a slowed worker, and under
+bsp with layer selection and a branch only some workers use."""
 import pytest
 import torch
 
@@ -45,11 +46,12 @@ def replay(record):
     groups = [{"params": [params[n] for n in g["names"]], **g["hyper"]} for g in record["groups"]]
     optimizer = record["optimizer"](groups)
     policy = make_policy(record["sync"], record["num_workers"], record["staleness"], record["slack"])
-    grads, hyper, versions = {}, {}, [[t.numpy().tobytes().hex() for t in params.values()]]
+    grads, hyper, absent = {}, {}, {}
+    versions = [[t.numpy().tobytes().hex() for t in params.values()]]
     for event in record["events"]:
         if event[0] == "push":
-            _, k, iteration, h, g = event
-            grads[k], hyper[k] = g, h
+            _, k, iteration, h, g, no_gradient = event
+            grads[k], hyper[k], absent[k] = g, h, set(no_gradient)
             decision = policy.push(k, iteration)
         elif event[0] == "epoch":
             decision = policy.end_epoch(event[1], event[2])
@@ -59,11 +61,17 @@ def replay(record):
             for group, h in zip(optimizer.param_groups, hyper[update[-1][0]]):
                 group.update({key: v for key, v in h.items() if isinstance(v, (int, float))})
             for n in names:
+                # a parameter a push left out (layer selection) counts as zero; one it had no gradient
+                # for is left out of bsp's average
+                terms = [(grads[k][n], w) for k, w in update if n in grads[k]]
+                if terms and decision.average:
+                    taking = sum(1 for k, _ in update if n not in absent[k])
+                    terms = [(g, 1.0 / taking) for g, _ in terms]
                 total = None
-                for k, w in update:
-                    total = grads[k][n] * w if total is None else total + grads[k][n] * w
-                if len(update) == 1 and update[0][1] == 1.0:
-                    total = grads[update[0][0]][n]
+                for g, w in terms:
+                    total = g * w if total is None else total + g * w
+                if len(terms) == 1 and terms[0][1] == 1.0:
+                    total = terms[0][0]
                 params[n].grad = total
             optimizer.step()
             versions.append([t.detach().numpy().tobytes().hex() for t in params.values()])
@@ -92,3 +100,46 @@ def test_replaying_the_recorded_arrival_order_gives_the_same_parameters(tmp_path
         assert r["bits"] == versions[r["version"]]
     if sync == "adaptive":
         assert any(r["changes"] for r in results[1:])  # the straggler split the workers into groups
+
+
+PARTLY_USED = r'''
+import atexit, torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 1:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=1)
+k = ps.worker_rank()
+torch.manual_seed(0)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.side = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+
+    def forward(self, x, use):
+        h = torch.relu(self.a(x))
+        return self.b(h) + (self.side(h) if use else 0)
+
+model = Net()
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              sync="bsp", layer_selection=hvd.LayerSelection.norm(k=1))
+for t in range(10):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + t))
+    opt.zero_grad(); model(x, use=(k == 0 and t % 2 == 0)).pow(2).mean().backward(); opt.step()
+ps.shutdown()
+report({"bits": [p.detach().numpy().tobytes().hex() for p in model.parameters()]})
+'''
+
+
+def test_a_bsp_record_tells_a_left_out_layer_from_a_parameter_with_no_gradient(tmp_path):
+    record_path = str(tmp_path / "partly")
+    results = run_ranks(3, PARTLY_USED, tmp_path, timeout=120, env={"FUSIONRING_PS_RECORD": record_path})
+    record = torch.load(record_path + ".server0", weights_only=False)
+    pushes = [e for e in record["events"] if e[0] == "push"]
+    assert any(e[5] for e in pushes) and any(not e[5] for e in pushes)  # the side branch, now and then
+    params, versions = replay(record)
+    for n in record["names"]:
+        assert params[n].numpy().tobytes() == record["final"][n].numpy().tobytes(), n
+    assert results[1]["bits"] == results[2]["bits"] == versions[-1]

@@ -253,3 +253,32 @@ def test_start_timeline_on_rank_0_alone_records(tmp_path):
     assert all(r["ok"] for r in results)
     events = json.loads((tmp_path / "ranks2" / "timeline_of_rank0.json").read_text())
     assert "allreduce.x" in _lanes(events)
+
+
+PS_JOB = r'''
+import atexit, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() == 0:
+    atexit.register(report, "server")
+ps.init(num_servers=1)
+model = torch.nn.Linear(3, 1)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              named_parameters=model.named_parameters(), sync="bsp")
+for step in range(3):
+    opt.zero_grad(); model(torch.ones(2, 3)).sum().backward(); opt.step()
+ps.shutdown()
+report("worker")
+'''
+
+
+def test_a_parameter_server_writes_one_update_span_per_update(tmp_path):
+    import json
+    path = tmp_path / "trace.json"
+    assert run_ranks(3, PS_JOB, tmp_path, env={"FUSIONRING_TIMELINE": str(path)}) == \
+        ["server", "worker", "worker"]
+    assert not path.exists()  # the server's own file, beside the path
+    events = json.loads((tmp_path / "trace.json.ps0").read_text())
+    updates = [e for e in events if e["name"] == "UPDATE"]
+    assert [e["args"]["version"] for e in updates] == [1, 2, 3]
+    assert all(e["args"]["workers"] == [0, 1] and e["ph"] == "X" and e["dur"] >= 0 for e in updates)

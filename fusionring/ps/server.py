@@ -404,6 +404,7 @@ class Server:
     def _apply(self, decision: Decision) -> None:
         for update in decision.updates:
             self._settle_param_sends()
+            started = time.perf_counter()
             if self.optimizer is not None:
                 last = update[-1][0]
                 for index, group in zip(self.group_index, self.optimizer.param_groups):
@@ -426,6 +427,9 @@ class Server:
                 self.grads.pop(k, None)
                 self.absent.pop(k, None)
             self.version += 1
+            if self.timeline is not None:
+                self.timeline.span(f"server {self.rank}", "update", started, time.perf_counter(),
+                                   {"workers": [k for k, _ in update], "version": self.version}, kind="ps")
         if decision.reply:
             parts = self._param_parts()
             for k in decision.reply:
@@ -539,7 +543,8 @@ class Server:
                 self.warned.discard(k)
                 if self.record is not None:
                     self.record["events"].append(("push", k, f["iteration"], f["hyper"],
-                                                   {n: g.clone() for n, g in grads.items()}))
+                                                   {n: g.clone() for n, g in grads.items()},
+                                                   sorted(self.absent[k])))
                 decision = self.policy.push(k, f["iteration"])
                 if k not in decision.reply:
                     self.held.add(k)
