@@ -6,6 +6,7 @@ one beside this Python, then PATH), ``FUSIONRING_CUDA=auto|on|off`` (CUDA kernel
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -39,7 +40,12 @@ class CMakeBuild(build_ext):
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        mpicxx = _mpicxx()
+        cuda = os.environ.get("FUSIONRING_CUDA", "auto")
+        # One CMake folder per environment, MPI wrapper and CUDA choice: CMake caches the MPI it
+        # found, so a folder shared with another environment's build would link that one's MPI.
+        key = hashlib.sha1(f"{sys.prefix}\0{mpicxx}\0{cuda}".encode()).hexdigest()[:12]
+        build_dir = Path(self.build_temp).resolve() / f"cmake-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
         configure = [
@@ -47,8 +53,8 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-            f"-DMPI_CXX_COMPILER={_mpicxx()}",
-            f"-DFUSIONRING_CUDA={os.environ.get('FUSIONRING_CUDA', 'auto')}",
+            f"-DMPI_CXX_COMPILER={mpicxx}",
+            f"-DFUSIONRING_CUDA={cuda}",
             # The MPI wheels install libmpi into <env>/lib; find it there at run time too.
             f"-DFUSIONRING_ENV_LIBDIR={Path(sys.prefix) / 'lib'}",
             "-DCMAKE_BUILD_TYPE=Release",

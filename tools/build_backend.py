@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +16,19 @@ from setuptools.build_meta import *  # noqa: F401,F403  (re-export the PEP 517 h
 
 
 def _has_tool(name: str) -> bool:
-    return (Path(sys.executable).parent / name).exists() or shutil.which(name) is not None
+    """Whether `name` (beside this Python, or on PATH) runs here. A tool that a pip package put
+    in the environment (``pip install cmake``) is a script importing its package, which an
+    isolated build does not see: it exists but fails, and the build needs its own copy."""
+    for path in (Path(sys.executable).parent / name, shutil.which(name)):
+        if path is None or not Path(path).exists():
+            continue
+        try:
+            done = subprocess.run([str(path), "--version"], capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return True
+    return False
 
 
 def _extra_requirements() -> list[str]:
