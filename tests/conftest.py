@@ -25,6 +25,14 @@ def report(value):
 '''
 
 
+# Open MPI's mpiexec refuses root and more ranks than cores unless told (fusionrun tells it; these
+# tests call mpiexec directly). MPICH ignores the variables.
+for _name, _value in (("OMPI_ALLOW_RUN_AS_ROOT", "1"), ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+                      ("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe"),
+                      ("OMPI_MCA_rmaps_base_oversubscribe", "1")):
+    os.environ.setdefault(_name, _value)
+
+
 def mpiexec_path() -> str:
     candidate = Path(sys.executable).parent / "mpiexec"
     if candidate.exists():
