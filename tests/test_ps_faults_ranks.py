@@ -36,6 +36,20 @@ def _launch(tmp_path, code, args, extra, timeout):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+def _launch_with_a_long_limit(tmp_path, code, args, extra, timeout):
+    """As `_launch`, with a 60 s parameter-server time limit and no stall limit: what ends the job
+    early is the failure itself, not a peer's time limit."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               FUSIONRING_PS_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
+    env.pop("FUSIONRING_STALL_SHUTDOWN_S", None)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec_path(), *extra, "-n", "3", sys.executable, str(script), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
 def _hydra() -> bool:
     out = subprocess.run([mpiexec_path(), "--version"], capture_output=True, text=True).stdout
     return "HYDRA" in out.upper()
@@ -133,17 +147,9 @@ def test_a_worker_ending_on_an_exception_fails_every_rank_at_once(tmp_path, case
     instead of waiting out their time limit for a silent worker."""
     if not _hydra():
         pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the other ranks running)")
-    script = tmp_path / "ends.py"
-    script.write_text(textwrap.dedent(ENDS_ON_AN_EXCEPTION))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               FUSIONRING_PS_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
-    env.pop("FUSIONRING_STALL_SHUTDOWN_S", None)
-    start = time.monotonic()
-    proc = subprocess.run([mpiexec_path(), "-disable-auto-cleanup", "-n", "3", sys.executable,
-                           str(script), case], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=str(tmp_path))
-    took, output = time.monotonic() - start, proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, output, took = _launch_with_a_long_limit(tmp_path, ENDS_ON_AN_EXCEPTION, [case],
+                                                   ["-disable-auto-cleanup"], timeout=120)
+    assert code != 0
     # the server, and worker 0 through the server's message
     assert "server rank 0: " + message in output, output[-3000:]
     assert output.count(message) >= 2, output[-3000:]
@@ -222,14 +228,6 @@ raise KeyboardInterrupt  # Ctrl-C on worker 1
 def test_ctrl_c_on_a_worker_ends_the_job_at_once(tmp_path):
     """MPI_Finalize would wait for the busy worker and the servers' time limit is long: the
     interrupted worker leaves unfinalized, and the launcher ends the job."""
-    script = tmp_path / "interrupted.py"
-    script.write_text(textwrap.dedent(INTERRUPTED))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               FUSIONRING_PS_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
-    env.pop("FUSIONRING_STALL_SHUTDOWN_S", None)
-    start = time.monotonic()
-    proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(script)], env=env,
-                          capture_output=True, text=True, timeout=110, cwd=str(tmp_path))
-    took, output = time.monotonic() - start, proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    code, output, took = _launch_with_a_long_limit(tmp_path, INTERRUPTED, [], [], timeout=110)
+    assert code != 0 and "KeyboardInterrupt" in output, output[-3000:]
     assert took < 30, (took, output[-3000:])
