@@ -1,5 +1,4 @@
 """Straggler emulation (fusionrun --slow): where the extra time is slept, and how much."""
-import sys
 
 import pytest
 
