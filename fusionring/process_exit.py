@@ -51,8 +51,8 @@ def exit_on_uncaught(cleanup: Callable[[], None]) -> None:
     status 1 right after its traceback and ``cleanup()``, without MPI_Finalize. Under MPICH,
     MPI_Finalize waits for every other rank to finalize, so a peer busy outside the library (an
     evaluation, a stuck data loader) would keep the failed rank, and with it the job, alive; a
-    process that exits unfinalized makes the launcher end the job at once. An interactive
-    session's exceptions end nothing and are left alone."""
+    process that exits unfinalized makes the launcher end the job at once. In an interactive
+    interpreter an exception ends nothing, and it is left alone."""
     global _hooked
     if _hooked:
         return
