@@ -158,9 +158,7 @@ class LayerSelectionState(HookState):
     def from_state_dict(cls, state: Dict[str, Any], process_group: Optional[dist.ProcessGroup] = None,
                         model: Optional[torch.nn.Module] = None) -> "LayerSelectionState":
         """A new state from ``state_dict()``, attached to `model` when given."""
-        cls._check_kind(state)
-        new = cls(process_group=process_group, **state["config"])
-        new.load_state_dict(state)
+        new = super().from_state_dict(state, process_group)
         if model is not None:
             new.attach(model)
         return new
