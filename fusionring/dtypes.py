@@ -52,9 +52,19 @@ def complex_result(spec, output: torch.Tensor) -> torch.Tensor:
     return output
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's memory (any dtype, any device)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a tensor of at most one element contiguous whatever its stride (an
+        # empty one from numpy has stride 0), but will not view it as bytes then.
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 def byte_view(tensor: torch.Tensor):
     """A writable numpy uint8 view of a contiguous CPU tensor's memory (any dtype)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return flat_bytes(tensor).numpy()
 
 
 def contiguous_view(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:

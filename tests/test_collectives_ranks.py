@@ -283,6 +283,26 @@ mismatch("mm_reducescatter_op", lambda: hvd.reducescatter(
     torch.zeros(P), name="ops", op=hvd.Sum if r == 0 else hvd.Average))
 mismatch("mm_grouped_allgather", lambda: hvd.grouped_allgather(
     [torch.zeros(1), torch.zeros(1, dtype=torch.int64 if r == 0 else torch.int32)], name="gm"))
+# Tensors torch calls contiguous whose stride is not 1: an empty one made from numpy (stride
+# 0) and a one-element view with stride 0.
+import numpy as np
+empty = torch.tensor(np.zeros(0))
+check("odd_strides_allgather", lambda: torch.equal(
+    hvd.allgather(empty if r == P - 1 else torch.full((2,), float(r), dtype=torch.float64),
+                  name="odd_gather"),
+    torch.tensor([float(k) for k in range(P - 1) for _ in range(2)], dtype=torch.float64)))
+single = torch.tensor([float(r + 1)]).as_strided((1,), (0,))
+check("odd_strides_one_element", lambda: hvd.allreduce(single, name="odd_sum", op=hvd.Sum).item()
+      == P * (P + 1) / 2 and hvd.broadcast(single, root_rank=P - 1, name="odd_bc").item() == P)
+sparse = (torch.sparse_coo_tensor(torch.tensor(np.zeros((2, 0), dtype=np.int64)), empty, (3, 3))
+          if r == P - 1 else torch.sparse_coo_tensor([[0], [r % 3]], [1.0], (3, 3),
+                                                     dtype=torch.float64))
+expected_sparse = np.zeros((3, 3))
+for k in range(P - 1):
+    expected_sparse[0, k % 3] += 1.0
+check("odd_strides_sparse", lambda: np.array_equal(
+    hvd.sparse_allreduce_async(sparse, name="odd_sparse", op=hvd.Sum)().to_dense().numpy(),
+    expected_sparse))
 # still usable, under the names that failed
 check("after_mismatch", lambda: torch.equal(
     hvd.alltoall(torch.full((P, 2), float(r)), name="mixed"),
@@ -328,6 +348,10 @@ def test_alltoall_bad_splits_raise_value_error_naming_the_tensor(results):
 def test_reducescatter_matches_reference(results):
     assert _failed(results, "reducescatter") == []
     assert _failed(results, "grouped_reducescatter") == []
+
+
+def test_tensors_with_stride_zero_travel(results):
+    assert _failed(results, "odd_strides") == []
 
 
 def test_grouped_allgather_matches_reference(results):

@@ -393,6 +393,38 @@ def test_a_failing_reduction_fails_every_rank_with_its_cause(tmp_path):
         assert results[r]["after_s"] < 30
 
 
+FAILS_INSIDE_A_COLLECTIVE = r'''
+import time, torch
+import fusionring.torch as hvd
+from fusionring.runtime.collectives import MpiCollectives
+
+def broken(self, requests):
+    raise RuntimeError("out of buffers")
+
+if int(__import__("os").environ.get("PMI_RANK", "0")) == 1:
+    MpiCollectives.allgather = broken  # before init(): the loop takes it from the class
+hvd.init()
+try:
+    hvd.allgather(torch.ones(2), name="gathered")  # ranks 0 and 2 wait inside MPI for rank 1
+except hvd.FusionRingError:
+    pass
+time.sleep(120)
+'''
+
+
+def test_a_rank_failing_inside_an_agreed_collective_aborts_instead_of_hanging(tmp_path):
+    """The peers are inside the data collective that rank 1 will never enter, so its shutdown
+    notice cannot reach them: rank 1 prints its error and aborts the job."""
+    started = time.monotonic()
+    _, code, output = run_ranks(3, FAILS_INSIDE_A_COLLECTIVE, tmp_path, timeout=100,
+                                expect_failure=True)
+    assert code != 0, output[-2000:]
+    assert ("background loop failed on rank 1 in allgather 'gathered': RuntimeError: out of buffers"
+            in output), output[-2000:]
+    assert "aborting the job" in output
+    assert time.monotonic() - started < 60, output[-2000:]
+
+
 PAYLOAD_PARTS = r'''
 import torch
 import fusionring.torch as hvd

@@ -16,6 +16,7 @@ import torch
 from ..compression import ClusterCompressor, NMCompressor, describe
 from ..compression.base import compress_named
 from ..compression.nm import nm as _nm
+from ..dtypes import byte_view
 
 Layout = List[Tuple[str, Any, bool, List[Tuple[str, Tuple[int, ...]]]]]
 
@@ -57,8 +58,7 @@ def build_decoder(spec: bytes) -> Any:
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous().cpu()
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return byte_view(t.detach().contiguous().cpu())
 
 
 def encode(compression: Any, named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[Layout, np.ndarray]:
@@ -227,7 +227,7 @@ def recv_into(comm: Any, tensors: Sequence[torch.Tensor], source: int, tag: int)
 def _writable_bytes(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("parameters must be contiguous CPU tensors to receive into")
-    return t.detach().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return byte_view(t.detach())
 
 
 def dense_parts(tensors: Sequence[torch.Tensor]) -> List[np.ndarray]:

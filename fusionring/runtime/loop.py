@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -19,7 +20,7 @@ from .. import _C
 from ..config import Settings, settings
 from ..dtypes import real_view
 from ..exceptions import FusionRingError, StallError, TensorMismatchError
-from ..negotiation import Negotiator, Ready, TensorSpec
+from ..negotiation import Negotiator, Ready, TensorSpec, display_name
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
 from ..process_exit import exit_nonzero_without_finalize
 from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
@@ -45,6 +46,9 @@ _BURST_CYCLES = 5
 # How long a loop whose caller is blocked runs rounds back to back before it goes back to
 # timed cycles (a late rank usually submits within this; a stuck one is left to stall checks).
 _EAGER_ROUNDS_S = 0.05
+# How long a rank that failed inside an agreed operation waits for its peers to take its
+# shutdown notice (an idle loop cycles every 50 ms) before it aborts the job instead.
+_FAREWELL_WAIT_S = 10.0
 # How long a rank at exit waits for the others to reach their exit too before the
 # shared-memory windows are freed together (MPI_Finalize waits for them anyway).
 _SHM_CLOSE_WAIT_S = 60.0
@@ -543,9 +547,7 @@ class Runtime:
                     if ready and timeline is not None:
                         timeline.flush()
                 except Exception as exc:  # noqa: BLE001 - peers must hear of it, not hang
-                    self._fail_everything(FusionRingError(
-                        f"fusionring background loop failed on rank {self.rank}: {exc}"))
-                    self._farewell()
+                    self._abort_after_agreement(ready, exc)
                     return
                 if outcome.join_done and self._join_request is not None:
                     self._join_request.payload = outcome.last_joined
@@ -583,6 +585,33 @@ class Runtime:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._fail_everything(FusionRingError(f"fusionring background loop failed on rank "
                                                   f"{self.rank}: {exc}"))
+
+    def _abort_after_agreement(self, ready: List[Request], exc: BaseException) -> None:
+        """This rank failed inside operations every rank had agreed to run. Its caller gets
+        the error and the peers a shutdown notice naming this rank. A peer already inside
+        the data collective this rank will not enter cannot take the notice, and that
+        collective cannot be cancelled: if the notice is not taken in time, the error is
+        printed and the job aborted rather than left hanging."""
+        names = ", ".join(display_name(r.name) for r in ready[:4])
+        names += " ..." if len(ready) > 4 else ""
+        message = (f"fusionring background loop failed on rank {self.rank} in {names}: "
+                   f"{type(exc).__name__}: {exc}")
+        self._fail_everything(FusionRingError(message))
+        if self.size == 1:
+            return
+        taken = threading.Event()
+
+        def farewell() -> None:
+            self._farewell()
+            taken.set()
+
+        threading.Thread(target=farewell, name="fusionring-farewell", daemon=True).start()
+        if taken.wait(_FAREWELL_WAIT_S):
+            return
+        print(f"{message}\n{''.join(traceback.format_exception(exc))}"
+              f"fusionring: the other ranks are inside these operations and cannot be told; "
+              f"aborting the job", file=sys.stderr, flush=True)
+        self._MPI.COMM_WORLD.Abort(1)
 
     def _farewell(self) -> None:
         """One last cycle that raises the shutdown flag, so peers fail their pending

@@ -13,13 +13,14 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from ..dtypes import flat_bytes
 from .adasum_tree import adasum_allreduce
 from .nccl import NcclTransport, ready_event
 from .requests import Request
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
+    return flat_bytes(tensor)
 
 
 def _for_caller(shape, like: torch.Tensor) -> torch.Tensor:
