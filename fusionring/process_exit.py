@@ -1,4 +1,4 @@
-"""Leaving a failed job without MPI_Finalize.
+"""Leaving a failed job without MPI_Finalize, and the note that lets fusionrun name a killed rank.
 
 After a peer died or stopped answering, MPI_Finalize can wait for it forever: a process that
 saw the job fail must neither hang there nor report success to the launcher.
@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 from typing import Callable
+
+from .config import settings
 
 _registered = False
 _failed = False
@@ -70,3 +73,16 @@ def exit_on_uncaught(cleanup: Callable[[], None]) -> None:
         exit_nonzero_without_finalize()
 
     sys.excepthook = hook
+
+
+def record_process(rank: int) -> None:
+    """Under fusionrun, note this rank's process id where the launcher reads it back if the
+    job fails (MPICH's launcher names a dead process only by its id)."""
+    folder = settings().rank_records_dir
+    if not folder or not os.path.isdir(folder):
+        return  # not launched by fusionrun, or on another host than the launcher
+    try:
+        with open(os.path.join(folder, f"rank.{rank}"), "w") as out:
+            out.write(f"{os.getpid()} {socket.gethostname()}\n")
+    except OSError:
+        pass  # a note for error messages only: never a reason to fail

@@ -9,11 +9,10 @@ import atexit
 import contextlib
 import contextvars
 import os
-import socket
 import sys
 from typing import Callable, List, Optional
 
-from .config import launcher_world_size, mpi_launch_variable, settings
+from .config import launcher_world_size, mpi_launch_variable
 from .exceptions import FusionRingError, NotInitializedError
 from . import process_exit
 from .runtime import Runtime, close_shared_memory
@@ -66,19 +65,6 @@ def _check_not_a_worker_process() -> None:
         f"'__main__':` or a main() function, so that only the ranks run it.")
 
 
-def _record_process(rank: int) -> None:
-    """Under fusionrun, note this rank's process id where the launcher reads it back if the
-    job fails (MPICH's launcher names a dead process only by its id)."""
-    folder = settings().rank_records_dir
-    if not folder or not os.path.isdir(folder):
-        return  # not launched by fusionrun, or on another host than the launcher
-    try:
-        with open(os.path.join(folder, f"rank.{rank}"), "w") as out:
-            out.write(f"{os.getpid()} {socket.gethostname()}\n")
-    except OSError:
-        pass  # a note for error messages only: never a reason to fail
-
-
 def init(comm=None) -> Runtime:
     """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
     global _runtime, _atexit_registered
@@ -104,7 +90,7 @@ def init(comm=None) -> Runtime:
         _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
     process_exit.recovered()   # every rank of the new runtime is back: end as usual
-    _record_process(MPI.COMM_WORLD.Get_rank())
+    process_exit.record_process(MPI.COMM_WORLD.Get_rank())
     if not _atexit_registered:
         # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
         atexit.register(close_shared_memory)

@@ -246,6 +246,27 @@ def test_a_failed_job_names_each_ranks_process_id():
         assert f"rank {rank} = pid {pid} on " in summary[0]
 
 
+KILL_A_WORKER = (
+    "import os, signal, time, torch; from mpi4py import MPI; from fusionring import ps; "
+    "os.write(1, f'rank {MPI.COMM_WORLD.Get_rank()} pid {os.getpid()}\\n'.encode()); "
+    "ps.init(num_servers=1); m = torch.nn.Linear(2, 1); "
+    "opt = ps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+    "named_parameters=m.named_parameters(), sync='asp'); "
+    "(os.kill(os.getpid(), signal.SIGKILL) if ps.worker_rank() == 1 else time.sleep(60))")
+
+
+def test_a_failed_parameter_server_job_names_each_ranks_process_id():
+    done = fusionrun("-np", "3", sys.executable, "-c", KILL_A_WORKER, timeout=120)
+    assert done.returncode != 0
+    pids = dict(line.split()[1:4:2] for line in done.stdout.splitlines()
+                if line.startswith("rank ") and " pid " in line)
+    assert sorted(pids) == ["0", "1", "2"], done.stdout
+    summary = [line for line in done.stderr.splitlines() if "process ids" in line]
+    assert len(summary) == 1, done.stderr
+    for rank, pid in pids.items():
+        assert f"rank {rank} = pid {pid} on " in summary[0]
+
+
 def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
     mpiexec = fake_mpiexec(MPICH_VERSION)
     env = _env()

@@ -291,3 +291,49 @@ def test_ssp_resumes_from_a_save_made_after_a_worker_shut_down(tmp_path):
     resumed = _three_workers(tmp_path, "ssp", "resume", {"FUSIONRING_PS_TIMEOUT_S": "20"})
     for k in (1, 2, 3):
         assert len(resumed[k]["bits"]) == 4
+
+
+SAVE_FAILURES = r'''
+import atexit, os, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 2:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              named_parameters=model.named_parameters(), sync="asp")
+
+def step():
+    opt.zero_grad(); model(torch.ones(2, 5)).sum().backward(); opt.step()
+
+out = {}
+step()
+try:
+    ps.save(os.path.join(@DIR@, "missing", "ckpt.pt"))
+except FileNotFoundError as exc:
+    out["missing"] = str(exc)
+blocked = os.path.join(@DIR@, "blocked.pt")
+os.makedirs(blocked + ".server1")               # server 1 cannot write its file there
+try:
+    ps.save(blocked)
+except OSError as exc:
+    out["server"] = str(exc)
+step()
+ps.save(os.path.join(@DIR@, "good.pt"))         # the job goes on and saves
+out["good"] = sorted(f for f in os.listdir(@DIR@) if f.startswith("good"))
+step()
+ps.shutdown()
+report(out)
+'''
+
+
+def test_a_save_that_cannot_be_written_raises_on_the_worker_and_the_job_goes_on(tmp_path):
+    results = run_ranks(3, SAVE_FAILURES.replace("@DIR@", repr(str(tmp_path))), tmp_path / "run",
+                        timeout=120)
+    out = results[2]
+    assert "does not exist" in out["missing"] and "missing" in out["missing"], out
+    assert "server rank 1 could not write" in out["server"], out
+    assert "blocked.pt.server1" in out["server"], out
+    assert out["good"] == ["good.pt", "good.pt.server0", "good.pt.server1"], out

@@ -158,3 +158,46 @@ def test_adaptive_aggregates_an_incomplete_list_once_more_than_slack_further_pus
     for i in range(1, further):
         assert p.push(2, i).updates == [[(2, 1.0)]]   # asynchronous, applied alone
     assert p.push(2, further).updates == [[(2, 1.0)], [(0, 1.0)]]
+
+
+def _group_of_two_after_epochs(p):
+    """Workers 0 and 1 three epochs ahead of worker 2, which reports its first epoch last."""
+    for k in (0, 1):
+        for e in (1, 2, 3):
+            p.end_epoch(k, e)
+    return p.end_epoch(2, 1)
+
+
+def test_adaptive_logs_a_group_change_made_by_a_departure():
+    p = Adaptive(3)
+    _group_of_two_after_epochs(p)
+    assert p.group == [0, 1]
+    p.leave(0)
+    assert p.group == [1]
+    assert p.changes[-1] == {"update": 0, "s": 2, "sync_group": [1], "async": [2], "left": 0}
+    p.leave(2)                                    # not in the group: the group does not change
+    assert len(p.changes) == 2
+
+
+def test_adaptive_servers_with_different_arrival_orders_are_unblocked_by_a_quiet_spell():
+    """Two servers see worker 0's and worker 1's pushes on either side of the group change: each holds
+    the worker the other already answered, so neither worker can push again; with the slow worker gone
+    no push moves the slack counter. unblock() (a quiet spell) aggregates each list, answering them."""
+    a, b = Adaptive(3), Adaptive(3)
+    for p in (a, b):
+        for k in (0, 1):
+            for e in (1, 2, 3):
+                p.push(k, e)
+                p.end_epoch(k, e)
+        p.push(2, 1)
+    assert a.push(1, 4).reply == [1]              # server A: before the change, asynchronous
+    a.end_epoch(2, 1)
+    assert a.push(0, 4).reply == []               # after it: worker 0 waits for worker 1
+    assert b.push(0, 4).reply == [0]
+    b.end_epoch(2, 1)
+    assert b.push(1, 4).reply == []               # worker 1 waits for worker 0
+    for p in (a, b):
+        assert p.leave(2).reply == []             # nothing releases either hold
+    assert a.unblock().updates == [[(0, 1.0)]] and a.unblock().updates == []
+    assert b.unblock().reply == [1]
+    assert a.changes[-1]["sync_group"] == [0, 1]

@@ -117,6 +117,8 @@ class Server:
         self.bytes_sent = 0
         self.push_buffers: Dict[int, np.ndarray] = {}
         self.param_sends: List[tuple] = []     # (request, worker): parameters sent from their own memory
+        self.last_any_push = now
+        self.push_gap: Optional[float] = None  # a running mean of the time between pushes
 
     # ------------------------------------------------------------------ messaging
     def _worker_rank(self, k: int) -> int:
@@ -198,9 +200,22 @@ class Server:
                     self._warn_waits()
                 if spins and self.nap > 0:
                     time.sleep(self.nap)
+                if self._quiet_spell():
+                    return -1, Header(_UNBLOCK), None
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=protocol.TAG_TO_SERVER, status=status):
                 return self._receive(status)
             spins += 1
+
+    def _quiet_spell(self) -> bool:
+        """Whether to aggregate the adaptive mode's list without waiting for more pushes. With several servers,
+        each runs the rule on its own arrival order, so around a group change server A's list can wait for a
+        worker that server B holds while B's waits for one A holds; the slack counter moves only with further
+        pushes, and there may be none (the asynchronous workers slow or gone). So a server of several aggregates
+        its list after no push at all came for four times the usual gap between pushes (at least 0.5 s)."""
+        if self.num_servers == 1 or not getattr(getattr(self, "policy", None), "list", None):
+            return False
+        usual = self.push_gap if self.push_gap is not None else 0.0
+        return time.monotonic() - self.last_any_push > max(_QUIET_MIN_S, 4 * usual)
 
     def _send_heartbeats(self) -> None:
         """A worker waiting on this server (held back by the sync rule, or waiting for the others to start or
@@ -539,7 +554,11 @@ class Server:
                 self.hyper[k] = f["hyper"]
                 self.pushes[k] += 1
                 self.started.add(k)
-                self.last_push[k] = time.monotonic()
+                now = time.monotonic()
+                self.last_push[k] = now
+                gap = now - self.last_any_push
+                self.push_gap = gap if self.push_gap is None else 0.8 * self.push_gap + 0.2 * gap
+                self.last_any_push = now
                 self.warned.discard(k)
                 if self.record is not None:
                     self.record["events"].append(("push", k, f["iteration"], f["hyper"],
@@ -565,8 +584,12 @@ class Server:
                     self.record["events"].append(("bye", k))
                 self._apply(self.policy.leave(k))
             elif header.kind == protocol.SAVE:
-                torch.save(self.state(), f["path"])
-                self._send(k, Header(protocol.SAVED, {"path": f["path"]}))
+                saved = {"path": f["path"]}
+                try:
+                    torch.save(self.state(), f["path"])
+                except (OSError, RuntimeError) as exc:  # the job goes on; the worker raises it
+                    saved["error"] = f"server rank {self.rank} could not write {f['path']}: {exc}"
+                self._send(k, Header(protocol.SAVED, saved))
             elif header.kind == protocol.STATE:
                 buffer = io.BytesIO()
                 torch.save(self.state(), buffer)
@@ -578,6 +601,11 @@ class Server:
                 self._fail(_ERROR_TYPES.get(f.get("type"), FusionRingError)(f["message"]))
             elif header.kind == protocol.HEARTBEAT:
                 pass  # _receive noted it
+            elif header.kind == _UNBLOCK:
+                if self.record is not None:
+                    self.record["events"].append(("unblock",))
+                self.last_any_push = time.monotonic()
+                self._apply(self.policy.unblock())
             else:
                 self._fail(FusionRingError(f"worker {k} sent an unexpected {header.kind!r} message"))
         self._settle_param_sends()
@@ -590,6 +618,10 @@ class Server:
             self.record["bytes_received"], self.record["bytes_sent"] = self.bytes_received, self.bytes_sent
             torch.save(self.record, f"{settings().ps_record_path}.server{self.rank}")
 
+
+# Not a message: _next_message's word for "a quiet spell ended the wait" (see Server._quiet_spell).
+_UNBLOCK = "unblock"
+_QUIET_MIN_S = 0.5
 
 # What a worker's failure message may name; anything else arrives as a FusionRingError.
 _ERROR_TYPES = {"ValueError": ValueError, "TensorMismatchError": TensorMismatchError}

@@ -7,7 +7,7 @@ with a ``Decision``: the gradients to apply now (workers and weights, in list or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 SYNC_MODES = ("bsp", "asp", "ssp", "adaptive")
 DEFAULT_SLACK = 2.0  # adaptive: aggregate once more than this many further pushes arrived (the 3rd), even if the
@@ -181,9 +181,21 @@ class Adaptive:
         self.epochs.pop(worker, None)
         if worker in self.group:
             self.group = [k for k in self.group if k != worker]
+            self.changes.append({"update": self.updates, "s": self.s, "sync_group": list(self.group),
+                                 "async": sorted(set(self.epochs) - set(self.group)), "left": worker})
             if self.list and {k for k, _ in self.list} >= set(self.group):
+                self.updates += 1
                 return self._flush()
         return Decision()
+
+    def unblock(self) -> Decision:
+        """Aggregate the list now. Each of several servers runs the rule on its own arrival order, so
+        around a group change one server's list can wait for a worker another server holds, while no
+        further push comes to count towards ``slack``: the server calls this after a quiet spell."""
+        if not self.list:
+            return Decision()
+        self.updates += 1
+        return self._flush()
 
     def end_epoch(self, worker: int, epoch: int) -> Decision:
         self.epochs[worker] = epoch
@@ -194,11 +206,13 @@ class Adaptive:
         # At most all workers but the slowest: the gap is the straggler's doing, so a gap as
         # large as the number of workers still leaves the slowest asynchronous.
         group = sorted(order[:min(s, len(order) - 1)]) if s > 1 else []
+        self.s = s
         if group != self.group:
             self.changes.append({"update": self.updates, "s": s, "sync_group": group,
                                  "async": sorted(set(self.epochs) - set(group))})
             self.group = group
             if self.list and (not group or {k for k, _ in self.list} >= set(group)):
+                self.updates += 1
                 return self._flush()
         return Decision()
 

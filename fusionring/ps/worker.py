@@ -23,7 +23,7 @@ from ..compression import Compression
 from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
 from ..exceptions import FusionRingError, NotInitializedError, StallError, TensorMismatchError
-from ..process_exit import exit_nonzero_without_finalize, exit_on_uncaught
+from ..process_exit import exit_nonzero_without_finalize, exit_on_uncaught, record_process
 from ..straggler import Straggler
 from . import payload, protocol
 from .protocol import Header
@@ -164,6 +164,7 @@ def init(num_servers: int = 1) -> None:
     if _job is not None:
         return
     _job = _Job(comm, num_servers)
+    record_process(_job.rank)  # fusionrun names a killed rank by it
     if _job.rank < num_servers:
         from .server import serve
         serve(comm, num_servers)
@@ -218,8 +219,8 @@ def num_workers() -> int:
 
 def stats() -> Dict[str, Any]:
     """This worker's counters: pushes, waits (steps whose reply a server held back for the sync rule, one per step
-    however many servers held it), staleness seen (server updates between its pull and its gradient's update: max
-    and mean), ``ahead_max`` (iterations ahead of the slowest worker when answered), bytes sent and received, and
+    however many servers held it), staleness seen (server updates between its pull and its gradient's update, per
+    step the largest over the servers: max, sum and mean), ``ahead_max`` (iterations ahead of the slowest worker when answered), bytes sent and received, and
     the adaptive mode's group changes."""
     if _job is None:
         raise NotInitializedError("ps.stats()")
@@ -256,13 +257,18 @@ def save(path: str) -> None:
     if opt is None:
         raise FusionRingError("ps.save() before ps.DistributedOptimizer: there is nothing on the servers yet")
     path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(os.path.dirname(path)):
+        raise FileNotFoundError(f"ps.save({path!r}): the directory {os.path.dirname(path)!r} does not exist")
     own = opt._worker_state()
     if len(own) > 1:  # more than its index
         torch.save(own, f"{path}.worker{own['index']}")
     if job.rank != job.num_servers:
         return
     files = [f"{path}.server{server}" for server in range(len(opt._shards))]
-    opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
+    replies = opt._ask_servers(protocol.SAVE, [{"path": f} for f in files], protocol.SAVED)
+    failed = [header.fields["error"] for header, _ in replies if "error" in header.fields]
+    if failed:  # servers on other hosts write beside `path` on their own file systems
+        raise OSError(f"ps.save({path!r}): " + "; ".join(failed))
     torch.save({"format": STATE_FORMAT, "num_servers": len(opt._shards), "shards": opt._shards, "servers": files,
                 "worker_files": f"{path}.worker{{}}", "param_groups": opt._param_group_state()}, path)
 
@@ -499,13 +505,14 @@ class DistributedOptimizer:
             f = header.fields
             if self._iteration > 0:
                 job.stats["staleness_max"] = max(job.stats["staleness_max"], f["staleness"])
-                job.stats["staleness_sum"] += f["staleness"] if server == 0 else 0
                 job.stats["ahead_max"] = max(job.stats["ahead_max"], f["ahead"])
             if f["changes"]:
                 job.stats["group_changes"] = f["changes"]
             job.stats["version"] = f["version"]
         if self._iteration > 0:  # one wait per step, however many servers held it back
             job.stats["waits"] += int(any(h.fields["held"] for h in headers))
+            # a step's staleness is its stalest shard's, as staleness_max counts it
+            job.stats["staleness_sum"] += max(h.fields["staleness"] for h in headers)
         for r in job.requests:
             r.Wait()
         job.requests = []
