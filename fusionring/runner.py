@@ -154,17 +154,26 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
         disable_cache: Optional[bool] = None, min_np: Optional[int] = None,
         max_np: Optional[int] = None, slots: Optional[int] = None,
         reset_limit: Optional[int] = None, cooldown_range: Optional[Tuple[int, int]] = None,
-        mpiexec: Optional[str] = None) -> List[Any]:
+        mpiexec: Optional[str] = None, network_interfaces: Optional[str] = None,
+        min_num_proc: Optional[int] = None, max_num_proc: Optional[int] = None,
+        host_discovery_script: Optional[str] = None) -> List[Any]:
     """Call ``func(*args, **kwargs)`` on `np` ranks and return their results, indexed by rank.
 
-    Keyword arguments follow ``horovod.run`` (``num_proc`` is a synonym of ``np``; default 1).
+    Keyword arguments follow ``horovod.run`` (``num_proc`` is a synonym of ``np``; default 1;
+    ``network_interfaces`` of ``network_interface``).
     `env` replaces the environment the ranks start with (default: this process's). Raises
     ``RuntimeError`` naming every rank that failed, with its traceback, when any did; ``ValueError``
     for elastic options and ``use_gloo`` (start_timeout and disable_cache change nothing, as in
     ``fusionrun``). Rank output goes to this process's ``sys.stdout`` / ``sys.stderr``.
     """
-    _refuse(min_np=min_np, max_np=max_np, slots=slots, reset_limit=reset_limit,
-            cooldown_range=cooldown_range)
+    _refuse(min_np=min_np, max_np=max_np, min_num_proc=min_num_proc, max_num_proc=max_num_proc,
+            slots=slots, reset_limit=reset_limit, cooldown_range=cooldown_range,
+            host_discovery_script=host_discovery_script)
+    if network_interface is not None and network_interfaces is not None \
+            and network_interface != network_interfaces:
+        raise ValueError(f"run(): network_interface={network_interface!r} and "
+                         f"network_interfaces={network_interfaces!r} disagree")
+    network_interface = network_interface if network_interface is not None else network_interfaces
     if use_gloo:
         raise ValueError("run(): use_gloo: fusionring's ranks are MPI processes")
     if np is not None and num_proc is not None and np != num_proc:

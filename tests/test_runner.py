@@ -52,6 +52,10 @@ def test_a_return_value_that_cannot_travel_is_an_error_naming_the_rank():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"np": 2, "min_np": 1}, "min_np is for elastic runs"),
+    ({"np": 2, "min_num_proc": 1}, "min_num_proc is for elastic runs"),
+    ({"np": 2, "max_num_proc": 4}, "max_num_proc is for elastic runs"),
+    ({"np": 2, "host_discovery_script": "discover.sh"}, "host_discovery_script is for elastic"),
+    ({"np": 2, "network_interface": "eth0", "network_interfaces": "eth1"}, "disagree"),
     ({"np": 2, "use_gloo": True}, "use_gloo"),
     ({"np": 0}, "positive whole number"),
     ({"np": 2, "num_proc": 3}, "disagree"),
@@ -60,6 +64,29 @@ def test_a_return_value_that_cannot_travel_is_an_error_naming_the_rank():
 def test_options_fusionring_cannot_honour_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fusionring.run(lambda: None, **kwargs)
+
+
+# horovod.run's parameters in Horovod 0.28.1 (horovod/runner/__init__.py), deprecated names included
+HOROVOD_RUN_PARAMETERS = (
+    "func", "args", "kwargs", "num_proc", "min_num_proc", "max_num_proc", "slots", "reset_limit",
+    "cooldown_range", "hosts", "hostfile", "host_discovery_script", "start_timeout", "ssh_port",
+    "ssh_identity_file", "disable_cache", "output_filename", "verbose", "use_gloo", "use_mpi", "mpi_args",
+    "network_interface", "network_interfaces", "executable", "np", "min_np", "max_np")
+
+
+def test_run_takes_every_keyword_of_horovod_run():
+    import inspect
+    accepted = inspect.signature(fusionring.run).parameters
+    assert [name for name in HOROVOD_RUN_PARAMETERS if name not in accepted] == []
+    assert list(accepted)[:3] == ["func", "args", "kwargs"]
+
+
+def test_network_interfaces_is_network_interface(monkeypatch):
+    seen = []
+    monkeypatch.setattr(runner, "_driver_address",
+                        lambda hosts, interface: seen.append(interface) or "127.0.0.1")
+    assert fusionring.run(lambda: 7, np=1, network_interfaces="lo") == [7]
+    assert seen == ["lo"]
 
 
 def test_the_exchange_answers_only_the_token():
