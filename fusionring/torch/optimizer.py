@@ -173,6 +173,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._sparse_as_dense = sparse_as_dense
+        self._sparse_rows: Dict[torch.Tensor, object] = {}  # sparse_as_dense: each row-mask handle
         self._parameter_names = _names_of(optimizer, named_parameters)
         self._requires_update = [p for group in self.param_groups for p in group["params"]
                                  if p.requires_grad]
@@ -475,6 +476,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             F.trace_compression(self._compression, unit.name, "decompress", started,
                                 runtime=self._set_runtime)
 
+    def _drop_sparse_rows(self) -> None:
+        """Release the row masks of gradients whose reduction failed or was dropped."""
+        for handle in self._sparse_rows.values():
+            try:
+                F.synchronize(handle)
+            except Exception:  # noqa: BLE001 - the gradient's own error is the one raised
+                pass
+        self._sparse_rows.clear()
+
     def _scale_factors(self) -> Tuple[float, float]:
         # Horovod's split of Average around the sum: divide by f before, multiply by f after.
         if self._op == ReduceOp.Average:
@@ -496,7 +506,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # Horovod's default: gather every rank's indices and values (ctx marks it).
                 return F.sparse_allreduce_async(grad, name=self._tensor_name(p),
                                                 op=self._op), _SPARSE
-            grad = grad.to_dense()  # reduced dense; the result goes back sparse
+            # Reduced dense; the result goes back sparse, on the rows some rank's gradient has
+            # (one byte each, reduced beside it): a row looked up whose sum is zero still counts,
+            # as it does in one process (SparseAdam decays its moments).
+            grad = grad.coalesce()
+            rows = torch.zeros(grad.shape[:grad.sparse_dim()], dtype=torch.uint8, device=grad.device)
+            rows[tuple(grad.indices())] = 1
+            self._sparse_rows[p] = F.allreduce_async_(rows, name=self._tensor_name(p) + "#rows",
+                                                      op=ReduceOp.Max)
+            grad = grad.to_dense()
         prescale, postscale = self._scale_factors()
         if self._caps.identity:  # nothing to compress, trace or check: the common case
             return F.allreduce_async_(grad, name=self._parameter_names[p], op=self._op,
@@ -630,12 +648,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.copy_(start)
             elif p.grad.is_sparse:
                 # Optimizers for sparse gradients (SparseAdam) need them to stay sparse.
+                if not result.is_sparse:
+                    rows = F.synchronize(self._sparse_rows.pop(p))
+                    index = rows.nonzero().t()
+                    result = torch.sparse_coo_tensor(index, result[tuple(index)], result.shape,
+                                                     is_coalesced=True, check_invariants=False)
                 with torch.no_grad():
-                    p.grad.zero_().add_(result if result.is_sparse else result.to_sparse())
+                    p.grad.zero_().add_(result)
             elif result.data_ptr() != p.grad.data_ptr():
                 with torch.no_grad():
                     p.grad.copy_(result)
         self._handles.clear()
+        self._drop_sparse_rows()
         for unit in self._unit_list:
             unit.reset()
         self._reset_delays()
@@ -759,6 +783,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 except Exception:  # noqa: BLE001 - its result is dropped either way
                     pass
         self._handles.clear()
+        self._drop_sparse_rows()
         for unit in self._unit_list:
             unit.reset()
         self._reset_delays()
