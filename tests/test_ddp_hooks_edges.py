@@ -274,3 +274,55 @@ def test_one_state_on_two_ddp_models_training_in_turn_is_refused(tmp_path):
     for out in run_ranks(2, RANK_PRELUDE + SHARED_STATE, tmp_path, timeout=120):
         assert out["error"] is not None and "give each DDP model its own state" in out["error"]
         assert out["own states"]
+
+
+DIFFERENT_SETTINGS = r'''
+from fusionring.ddp.cluster import ClusterState, cluster_hook
+from fusionring.ddp.layer_selection import LayerSelectionState, layer_selection_hook
+import fusionring.torch as hvd
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+last = size - 1
+cases = {
+    "n": lambda: (hooks.NMState(n=1 if rank == last else 2, m=4), hooks.nm_hook),
+    "mask": lambda: (hooks.NMState(shared_mask=rank != last), hooks.nm_hook),
+    "k": lambda: (ClusterState(k=4 if rank == last else 16), cluster_hook),
+    "fraction": lambda: (LayerSelectionState(selection=hvd.LayerSelection.norm(
+        0.5 if rank == last else 0.25)), layer_selection_hook),
+    # seeds may differ by rank: no error
+    "seed": lambda: (ClusterState(seed=rank), cluster_hook),
+}
+out = {}
+x = torch.randn(4, 8)
+for name, build in cases.items():
+    ddp = DDP(model())
+    state, hook = build()
+    if isinstance(state, LayerSelectionState):
+        state.attach(ddp)
+    ddp.register_comm_hook(state, hook)
+    try:
+        for _ in range(2):
+            ddp(x).sum().backward()
+        out[name] = None
+    except Exception as exc:       # noqa: BLE001 - DDP may wrap the hook's error
+        out[name] = str(exc)
+ones = torch.ones(1)
+dist.all_reduce(ones)              # the group still works
+out["after"] = ones.item()
+report(out)
+finish()
+'''
+
+
+def test_ranks_with_different_hook_settings_are_told_on_every_rank(tmp_path):
+    """Without the check: a transport abort ('Received data size doesn't match') or a hang."""
+    for out in run_ranks(3, RANK_PRELUDE + DIFFERENT_SETTINGS, tmp_path, timeout=120):
+        for name, differing in (("n", "n=1"), ("mask", "shared_mask=False"), ("k", "k=4"),
+                                ("fraction", "fraction=0.5")):
+            assert out[name] is not None and "have different settings" in out[name], (name, out)
+            assert "rank 2: " in out[name] and differing in out[name], out[name]
+            assert "ranks 0, 1: " in out[name], out[name]
+        assert out["seed"] is None and out["after"] == 3.0

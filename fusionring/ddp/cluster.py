@@ -60,6 +60,7 @@ class ClusterState(HookState):
 def cluster_hook(state: ClusterState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Quantize `bucket`, allgather the payloads over ``state``'s group, return the decoded average."""
     HookState.check_hook(state, "cluster_hook", ClusterState)
+    state.agree("cluster_hook", bucket)
     group = state.group()
     size = group.size()
     buffer = bucket.buffer()

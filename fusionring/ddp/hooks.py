@@ -127,6 +127,7 @@ def _agree_on_level(compressor: NMCompressor, ctx, group: dist.ProcessGroup,
 def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """N:M-compress `bucket`, reduce it over ``state``'s group and return the decoded average."""
     HookState.check_hook(state, "nm_hook", NMState)
+    state.agree("nm_hook", bucket)
     group = state.group()
     size = group.size()
     buffer = bucket.buffer()

@@ -125,6 +125,12 @@ class LayerSelectionState(HookState):
     def config(self) -> Dict[str, Any]:
         return self._config
 
+    def shared_settings(self) -> Dict[str, Any]:
+        # What decides how many layers travel; a selector's own learning (seed, lr, ...) may
+        # differ by rank, as the ranks agree on the layers by summing their scores.
+        selection = self._config["selection"]
+        return {key: selection[key] for key in ("kind", "fraction", "k", "max_wait", "warmup_steps")}
+
     def codec_state(self) -> Dict[str, Any]:
         if "_loaded" in self.__dict__:
             return self._loaded   # loaded, not attached yet: save what was loaded
@@ -248,6 +254,7 @@ def layer_selection_hook(state: LayerSelectionState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Hold `bucket` until the step's last; then reduce the agreed layers of all of them."""
     HookState.check_hook(state, "layer_selection_hook", LayerSelectionState)
+    state.agree("layer_selection_hook", bucket)
     if bucket.index() == 0:
         state._pending = []   # a step that raised half-way leaves nothing behind
     held: torch.futures.Future = torch.futures.Future()

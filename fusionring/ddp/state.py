@@ -72,6 +72,7 @@ class HookState:
         # (id -> parameter, as tensors compare by value, not identity, in a WeakSet)
         self._current: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._retired: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._agreed = False  # whether the group's ranks have compared their settings
 
     # ---------------------------------------------------------------- per step
     def check_hook(self, hook: str, kind: type) -> None:
@@ -79,6 +80,33 @@ class HookState:
         if not isinstance(self, kind):
             raise TypeError(f"{hook} needs a {kind.__name__}, not a {type(self).__name__} "
                             f"(register each hook with its own state)")
+
+    def agree(self, hook: str, bucket: dist.GradBucket) -> None:
+        """On the first call: every rank of the group compares its settings
+        (``shared_settings()``) with the others'. Ranks that differ (another n:m, another k, per-rank masks on one rank) would
+        send payloads of other sizes or run other collectives, which ends in a transport abort or
+        a hang: instead every rank raises a ValueError naming each rank's settings."""
+        if self._agreed:
+            return
+        group = self.group()
+        settings = f"{type(self).__name__}(" + ", ".join(
+            f"{key}={value!r}" for key, value in sorted(self.shared_settings().items())) + ")"
+        digest = zlib.crc32(settings.encode())
+        mine = torch.tensor([digest], dtype=torch.int64, device=bucket.buffer().device)
+        everyone = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(everyone, mine, group=group)
+        if len({int(t.item()) for t in everyone}) > 1:
+            described: List[Any] = [None] * group.size()
+            dist.all_gather_object(described, settings, group=group)
+            by_setting: Dict[str, List[int]] = {}
+            for rank, text in zip(dist.get_process_group_ranks(group), described):
+                by_setting.setdefault(text, []).append(rank)
+            raise ValueError(f"{hook}: the ranks' hook states have different settings, so their "
+                             f"payloads cannot be reduced together: " + "; ".join(
+                                 f"rank{'s' if len(ranks) > 1 else ''} "
+                                 f"{', '.join(map(str, ranks))}: {text}"
+                                 for text, ranks in by_setting.items()))
+        self._agreed = True
 
     def group(self) -> dist.ProcessGroup:
         return self.process_group if self.process_group is not None else dist.group.WORLD
@@ -176,6 +204,11 @@ class HookState:
     def config(self) -> Dict[str, Any]:
         """Constructor keyword arguments (plain types) that rebuild an equal state."""
         raise NotImplementedError
+
+    def shared_settings(self) -> Dict[str, Any]:
+        """The settings every rank of the group must share (``agree``): ``config()`` but its
+        seeds, which ranks may choose apart."""
+        return {key: value for key, value in self.config().items() if key != "seed"}
 
     def codec_state(self) -> Dict[str, Any]:
         raise NotImplementedError
