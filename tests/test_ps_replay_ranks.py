@@ -165,3 +165,48 @@ def test_a_bsp_record_tells_a_left_out_layer_from_a_parameter_with_no_gradient(t
     for n in record["names"]:
         assert params[n].numpy().tobytes() == record["final"][n].numpy().tobytes(), n
     assert results[1]["bits"] == results[2]["bits"] == versions[-1]
+
+
+QUIET = r'''
+import atexit, time, torch
+from mpi4py import MPI
+from fusionring import ps
+if MPI.COMM_WORLD.Get_rank() < 2:
+    atexit.register(report, {"server": True})
+ps.init(num_servers=2)
+k = ps.worker_rank()
+torch.manual_seed(k)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+                              sync="adaptive")
+gen = torch.Generator().manual_seed(10 + k)
+epoch, seen = 0, None
+while (epoch < 3) if k == 2 else (seen is None or epoch < seen + 20) and epoch < 3000:
+    if k == 2:
+        time.sleep(4.0 if epoch == 2 else 0.3)   # the straggler, busy for a while
+    elif seen is None and ps.stats()["group_changes"]:
+        seen = epoch
+        if k == 1:
+            time.sleep(1.5)   # worker 0 waits in the group's list, and nobody else pushes
+    x = torch.randn(8, 6, generator=gen)
+    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    opt.end_epoch()
+    epoch += 1
+s = ps.stats()
+ps.shutdown()
+report({"changes": len(s["group_changes"])})
+'''
+
+
+def test_a_quiet_spell_releases_a_group_waiting_on_two_servers(tmp_path):
+    """With the straggler and worker 1 busy, no push moves the slack counter: each server of
+    several aggregates worker 0's gradient alone after a quiet spell, and its record replays."""
+    record_path = str(tmp_path / "quiet")
+    results = run_ranks(5, QUIET, tmp_path, timeout=180, env={"FUSIONRING_PS_RECORD": record_path})
+    assert results[2]["changes"] >= 1
+    for server in (0, 1):
+        record = torch.load(f"{record_path}.server{server}", weights_only=False)
+        assert any(e[0] == "unblock" for e in record["events"]), server
+        params, _ = replay(record)
+        for n in record["names"]:
+            assert params[n].numpy().tobytes() == record["final"][n].numpy().tobytes(), (server, n)
