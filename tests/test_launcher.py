@@ -233,9 +233,9 @@ KILL_RANK_ONE = (
     "[hvd.allreduce(torch.ones(4), name='x') for _ in range(1000)]")
 
 
-def test_a_failed_job_names_each_ranks_process_id():
-    """MPICH's launcher names a dead process by its id only; fusionrun says which rank it was."""
-    done = fusionrun("-np", "3", sys.executable, "-c", KILL_RANK_ONE, timeout=120)
+def _names_each_ranks_process_id(program: str) -> None:
+    """`program` prints 'rank R pid P' on 3 ranks, then one of them is killed."""
+    done = fusionrun("-np", "3", sys.executable, "-c", program, timeout=120)
     assert done.returncode != 0
     pids = dict(line.split()[1:4:2] for line in done.stdout.splitlines()
                 if line.startswith("rank ") and " pid " in line)
@@ -244,6 +244,11 @@ def test_a_failed_job_names_each_ranks_process_id():
     assert len(summary) == 1, done.stderr
     for rank, pid in pids.items():
         assert f"rank {rank} = pid {pid} on " in summary[0]
+
+
+def test_a_failed_job_names_each_ranks_process_id():
+    """MPICH's launcher names a dead process by its id only; fusionrun says which rank it was."""
+    _names_each_ranks_process_id(KILL_RANK_ONE)
 
 
 KILL_A_WORKER = (
@@ -256,15 +261,7 @@ KILL_A_WORKER = (
 
 
 def test_a_failed_parameter_server_job_names_each_ranks_process_id():
-    done = fusionrun("-np", "3", sys.executable, "-c", KILL_A_WORKER, timeout=120)
-    assert done.returncode != 0
-    pids = dict(line.split()[1:4:2] for line in done.stdout.splitlines()
-                if line.startswith("rank ") and " pid " in line)
-    assert sorted(pids) == ["0", "1", "2"], done.stdout
-    summary = [line for line in done.stderr.splitlines() if "process ids" in line]
-    assert len(summary) == 1, done.stderr
-    for rank, pid in pids.items():
-        assert f"rank {rank} = pid {pid} on " in summary[0]
+    _names_each_ranks_process_id(KILL_A_WORKER)
 
 
 def test_exit_code_of_a_fake_mpiexec_is_passed_on(fake_mpiexec):
