@@ -83,9 +83,10 @@ class HookState:
 
     def agree(self, hook: str, bucket: dist.GradBucket) -> None:
         """On the first call: every rank of the group compares its settings
-        (``shared_settings()``) with the others'. Ranks that differ (another n:m, another k, per-rank masks on one rank) would
-        send payloads of other sizes or run other collectives, which ends in a transport abort or
-        a hang: instead every rank raises a ValueError naming each rank's settings."""
+        (``shared_settings()``) with the others'. Ranks that differ (another n:m, another k,
+        per-rank masks on one rank) would send payloads of other sizes or run other
+        collectives, which ends in a transport abort or a hang: instead every rank raises a
+        ValueError naming each rank's settings."""
         if self._agreed:
             return
         group = self.group()

@@ -220,8 +220,8 @@ def num_workers() -> int:
 def stats() -> Dict[str, Any]:
     """This worker's counters: pushes, waits (steps whose reply a server held back for the sync rule, one per step
     however many servers held it), staleness seen (server updates between its pull and its gradient's update, per
-    step the largest over the servers: max, sum and mean), ``ahead_max`` (iterations ahead of the slowest worker when answered), bytes sent and received, and
-    the adaptive mode's group changes."""
+    step the largest over the servers: max, sum and mean), ``ahead_max`` (iterations ahead of the slowest worker
+    when answered), bytes sent and received, and the adaptive mode's group changes."""
     if _job is None:
         raise NotInitializedError("ps.stats()")
     s = dict(_job.stats)
