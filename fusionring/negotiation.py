@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -57,6 +57,9 @@ class TensorSpec:
     compression: str = ""     # a compressor that runs inside the runtime
     detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
     device: str = ""          # "cuda": on the GPU over NCCL; "": through host memory
+    # Why this rank could not take part (bad input, raised to its own caller): the others'
+    # matching operation then fails naming it instead of waiting for it.
+    refused: str = ""
 
     def comparable(self) -> tuple:
         """The fields that must be equal across ranks (allgather and alltoall may differ
@@ -88,6 +91,7 @@ class Outcome:
     errors: Dict[str, str] = dataclasses.field(default_factory=dict)
     flush: bool = False
     shutdown_ranks: List[int] = dataclasses.field(default_factory=list)
+    shutdown_reason: Optional[str] = None  # a leaving rank's own account (a removed set)
     abort: Optional[str] = None
     stall_warning: Optional[str] = None
     joined_ranks: List[int] = dataclasses.field(default_factory=list)
@@ -201,6 +205,10 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
             continue
         present = sorted(entries)
         specs = [entries[r][0] for r in present]
+        refusals = _refusals(name, specs, present, global_ranks)
+        if refusals is not None:
+            outcome.errors[name] = refusals
+            continue
         error = (mismatch_message(name, specs, present, global_ranks) if len(present) > 1
                  else None)
         if error is not None:
@@ -230,6 +238,21 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
                                        for clash in _operation_clashes(dead, by_name,
                                                                        global_ranks)))
     return outcome
+
+
+def _refusals(name: str, specs: Sequence[TensorSpec], ranks: Sequence[int],
+              global_ranks: Optional[Sequence[int]] = None) -> Optional[str]:
+    """The error for an operation some ranks refused (bad input raised on those ranks),
+    naming each refusing rank and its reason, or None when no rank refused it."""
+    by_reason: Dict[str, List[int]] = {}
+    for rank, spec in zip(ranks, specs):
+        if spec.refused:
+            by_reason.setdefault(spec.refused, []).append(_global(rank, global_ranks))
+    if not by_reason:
+        return None
+    kind = specs[0].kind
+    return f"{kind} '{_bare(name, specs[0])}' failed on " + "; ".join(
+        f"{_ranks_text(who)}, which raised {reason}" for reason, who in by_reason.items())
 
 
 def _operation_clashes(stalled: Sequence[Tuple[str, List[int], float]],
@@ -341,12 +364,13 @@ class Negotiator:
         return _HEADER_WORDS + self._rank_words + 2 * self._id_words()
 
     def cycle(self, pending: Sequence[Tuple[str, TensorSpec, float]], *, flush: bool,
-              shutdown: bool, stall_check: bool, joined: bool = False,
+              shutdown: Union[bool, str], stall_check: bool, joined: bool = False,
               idle: bool = True, reduce: Optional[Callable[[int, int], bool]] = None) -> Outcome:
         """One agreement round. `pending` holds (name, spec, age_s) per request.
 
         `flush` is this rank's vote to release incomplete fusion groups; it carries only
         when every rank votes, so a group is never split while a member can still come.
+        `shutdown`: this rank leaves (a string: why, told to the others).
         `joined`: this rank is inside join(); `idle`: it holds nothing else unfinished.
         `reduce(address, count)`: the window's band_then_allreduce over every pending
         tensor, offered when all of them would be one fused batch; if every rank offers the
@@ -408,6 +432,8 @@ class Negotiator:
         if all_flags & FLAG_SHUTDOWN:
             flags_by_rank = self._comm.allgather(shutdown)
             outcome.shutdown_ranks = [r for r, s in enumerate(flags_by_rank) if s]
+            outcome.shutdown_reason = next(
+                (s for s in flags_by_rank if isinstance(s, str)), None)
             return outcome
         if all_flags & (FLAG_UNCACHED | FLAG_STALL_CHECK):
             return self._full_exchange(pending, outcome, joined,

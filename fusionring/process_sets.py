@@ -55,13 +55,17 @@ class ProcessSet:
             return list(range(_state.get("ProcessSet.ranks").size))
         return list(self._ranks)
 
-    def size(self) -> int:
-        """Number of ranks in the set."""
+    def size(self) -> Optional[int]:
+        """Number of ranks in the set; None while it is not added (as in Horovod)."""
+        if self.process_set_id is None:
+            return None
         return len(self.ranks)
 
-    def rank(self) -> int:
-        """This process's rank within the set; a ValueError when it is not a member, as in
-        Horovod."""
+    def rank(self) -> Optional[int]:
+        """This process's rank within the set; a ValueError when it is not a member, and None
+        while the set is not added, as in Horovod."""
+        if self.process_set_id is None:
+            return None
         me = _global_runtime("ProcessSet.rank()").rank
         ranks = self.ranks
         if me not in ranks:
@@ -69,8 +73,10 @@ class ProcessSet:
                              f"in the process set with ranks {ranks}")
         return ranks.index(me)
 
-    def included(self) -> bool:
-        """Whether this process is a member."""
+    def included(self) -> Optional[bool]:
+        """Whether this process is a member; None while the set is not added."""
+        if self.process_set_id is None:
+            return None
         return _global_runtime("ProcessSet.included()").rank in self.ranks
 
     def __repr__(self) -> str:
@@ -230,9 +236,9 @@ def process_sets() -> List[ProcessSet]:
         return [global_process_set] + [_registered[i] for i in sorted(_registered)]
 
 
-def _release(process_set: ProcessSet) -> None:
+def _release(process_set: ProcessSet, reason: Optional[str] = None) -> None:
     if process_set._runtime is not None:
-        process_set._runtime.shutdown()
+        process_set._runtime.shutdown(reason=reason)
         process_set._runtime = None
     if process_set._comm is not None:
         try:
@@ -251,7 +257,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if not known:
         return False
     runtime = _global_runtime("remove_process_set()")
-    _release(process_set)
+    _release(process_set, f"process set {process_set.ranks} was removed (remove_process_set) "
+                          f"while this operation on it was pending")
     runtime.base_comm.Barrier()  # every rank has let go of the set before any adds another
     process_set.process_set_id = None
     return True

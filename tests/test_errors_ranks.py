@@ -149,6 +149,98 @@ def test_local_errors_are_clear_value_errors(tmp_path):
         assert out["twice"] == "None"
 
 
+ONE_RANK_REFUSES = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+started = time.monotonic()
+
+def attempt(label, fn):
+    try:
+        fn()
+        out[label] = None
+    except Exception as exc:  # noqa: BLE001
+        out[label] = f"{type(exc).__name__}: {exc}"
+
+# A dtype only rank 1 sends, named.
+attempt("dtype", lambda: hvd.allreduce(torch.ones(3, dtype=torch.bool if r == 1 else
+                                                  torch.float32), name="x"))
+# An unnamed alltoall whose splits are wrong on rank 2 only; the next unnamed operation must
+# still pair up across ranks.
+attempt("splits", lambda: hvd.alltoall(torch.arange(6.0), splits=[2, 2, 2] if r != 2 else
+                                       [1, 1, 1]))
+attempt("after_unnamed", lambda: out.update(
+    unnamed=hvd.allreduce(torch.full((2,), float(r)), op=hvd.Sum).tolist()))
+# One bad tensor of a group on rank 0: the whole group fails on the others.
+attempt("group", lambda: hvd.grouped_allreduce(
+    [torch.ones(2), torch.ones(2).to_sparse() if r == 0 else torch.ones(2)], name="g"))
+# A root out of range on rank 2; two ranks refusing for different reasons are both named.
+attempt("root", lambda: hvd.broadcast(torch.ones(2), root_rank=7 if r == 2 else 0, name="b"))
+attempt("two", lambda: hvd.allgather(
+    torch.ones(2, dtype=torch.bool) if r == 0 else torch.ones(2) if r == 1 else [1, 2],
+    name="two"))
+# Caught and submitted again at once, under the same name, by every rank.
+for tries in range(2):
+    try:
+        bad = r == 1 and tries == 0
+        out["retry"] = hvd.allreduce(torch.tensor([1.0, 2.0], dtype=torch.bool if bad else
+                                                  torch.float32), name="y", op=hvd.Sum).tolist()
+        break
+    except (ValueError, hvd.TensorMismatchError) as exc:
+        out[f"retry{tries}"] = type(exc).__name__
+# Within a process set, named by global rank.
+pair = hvd.add_process_set([0, 2])
+if r in (0, 2):
+    attempt("set", lambda: hvd.reducescatter(torch.ones(3) if r == 0 else torch.ones(()),
+                                             name="rs", process_set=pair))
+out["end"] = hvd.allreduce(torch.ones(2) * r, name="end", op=hvd.Sum).tolist()
+out["seconds"] = time.monotonic() - started
+report(out)
+'''
+
+
+def test_bad_input_on_one_rank_fails_the_others_naming_it(tmp_path):
+    """An error raised before anything is sent, on some ranks only, reaches the others as an
+    error naming those ranks and the cause, at once, and every rank stays usable."""
+    results = run_ranks(3, ONE_RANK_REFUSES, tmp_path, timeout=90)
+    dtype_cause = "ValueError: tensor 'x' has unsupported dtype bool"
+    assert results[1]["dtype"].startswith(dtype_cause)
+    for r in (0, 2):
+        assert results[r]["dtype"].startswith(
+            f"TensorMismatchError: allreduce 'x' failed on rank 1, which raised {dtype_cause}")
+    assert results[2]["splits"].startswith("ValueError: alltoall of an unnamed tensor: splits "
+                                           "[1, 1, 1] sum to 3, but the first dimension is 6")
+    for r in (0, 1):
+        assert "failed on rank 2, which raised ValueError: alltoall of an unnamed tensor: " \
+               "splits [1, 1, 1] sum to 3" in results[r]["splits"]
+    assert results[0]["group"].startswith("ValueError: tensor 'g.1' is sparse")
+    for r in (1, 2):
+        assert "failed on rank 0, which raised ValueError: tensor 'g.1' is sparse" in \
+            results[r]["group"]
+    assert results[2]["root"] == "ValueError: broadcast 'b': root_rank 7 is out of range for 3 ranks"
+    for r in (0, 1):
+        assert results[r]["root"] == ("TensorMismatchError: broadcast 'b' failed on rank 2, which "
+                                      "raised ValueError: broadcast 'b': root_rank 7 is out of "
+                                      "range for 3 ranks")
+    assert results[2]["two"].startswith("TypeError: 'two' must be a torch.Tensor, not list")
+    assert results[1]["two"].startswith("TensorMismatchError: allgather 'two' failed on rank 2, "
+                                        "which raised TypeError")
+    # allgather moves bytes: a bool tensor is valid there, so rank 0 only hears of rank 2.
+    assert results[0]["two"] == results[1]["two"]
+    assert results[1]["retry0"] == "ValueError"
+    assert results[0]["retry0"] == results[2]["retry0"] == "TensorMismatchError"
+    assert results[2]["set"].startswith("ValueError: reducescatter 'rs': a 0-d tensor")
+    assert results[0]["set"].startswith("TensorMismatchError: reducescatter 'rs' failed on "
+                                        "rank 2, which raised ValueError")
+    for out in results:
+        assert out["after_unnamed"] is None and out["unnamed"] == [3.0, 3.0]
+        assert out["retry"] == [3.0, 6.0]
+        assert out["end"] == [3.0, 3.0]
+        assert out["seconds"] < 20  # no stall limit waited for (it is 60 s)
+
+
 EARLY_EXIT = r'''
 import time, torch
 import fusionring.torch as hvd
@@ -408,16 +500,19 @@ try:
     hvd.allgather(torch.ones(2), name="gathered")  # ranks 0 and 2 wait inside MPI for rank 1
 except hvd.FusionRingError:
     pass
-time.sleep(120)
+if __import__("os").environ["THEN"] == "sleeps":
+    time.sleep(120)
 '''
 
 
-def test_a_rank_failing_inside_an_agreed_collective_aborts_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("then", ["sleeps", "ends"])
+def test_a_rank_failing_inside_an_agreed_collective_aborts_instead_of_hanging(tmp_path, then):
     """The peers are inside the data collective that rank 1 will never enter, so its shutdown
-    notice cannot reach them: rank 1 prints its error and aborts the job."""
+    notice cannot reach them: rank 1 prints its error and aborts the job, also when its
+    script ends meanwhile (its exit waits for that decision instead of finalizing MPI)."""
     started = time.monotonic()
     _, code, output = run_ranks(3, FAILS_INSIDE_A_COLLECTIVE, tmp_path, timeout=100,
-                                expect_failure=True)
+                                expect_failure=True, env={"THEN": then})
     assert code != 0, output[-2000:]
     assert ("background loop failed on rank 1 in allgather 'gathered': RuntimeError: out of buffers"
             in output), output[-2000:]

@@ -250,3 +250,46 @@ def test_process_sets_from_communicators(tmp_path):
         assert out["registered"] == [[1, evens], [2, odds]]  # numbered from 1 again
         assert out["after list"] == 4.0
         assert out["whole"] == [0, 4.0]
+
+
+SET_ENDINGS = r'''
+import time, torch
+import fusionring.torch as hvd
+pair = hvd.ProcessSet([1, 2])
+hvd.init(process_sets=[pair])
+r = hvd.rank()
+out = {"unadded": [hvd.ProcessSet([0, 1]).size(), hvd.ProcessSet([0, 1]).rank(),
+                   hvd.ProcessSet([0, 1]).included()]}
+# A pending operation of a set that every rank removes fails saying so.
+first = hvd.add_process_set([0, 2])
+if r == 0:
+    handle = hvd.allreduce_async(torch.ones(2), name="left.alone", process_set=first)
+time.sleep(0.5)
+hvd.remove_process_set(first)
+out["removed"] = [first.size(), first.rank(), first.included()]
+if r == 0:
+    try:
+        hvd.synchronize(handle)
+    except Exception as exc:  # noqa: BLE001
+        out["pending"] = str(exc)
+# A member that shuts down is named by its global rank.
+if r == 1:
+    try:
+        hvd.allreduce(torch.ones(2), name="waits.on.2", process_set=pair)
+    except Exception as exc:  # noqa: BLE001
+        out["peer"] = str(exc)
+elif r == 2:
+    time.sleep(1.0)
+    pair._runtime.shutdown()
+report(out)
+'''
+
+
+def test_a_removed_set_and_a_member_that_leaves_are_named(tmp_path):
+    results = run_ranks(3, SET_ENDINGS, tmp_path, timeout=90)
+    for out in results:
+        assert out["unadded"] == [None, None, None]  # as in Horovod
+        assert out["removed"] == [None, None, None]
+    assert results[0]["pending"] == ("process set [0, 2] was removed (remove_process_set) while "
+                                     "this operation on it was pending")
+    assert "because rank(s) 2 shut down" in results[1]["peer"], results[1]

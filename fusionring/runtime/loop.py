@@ -49,6 +49,8 @@ _EAGER_ROUNDS_S = 0.05
 # How long a rank that failed inside an agreed operation waits for its peers to take its
 # shutdown notice (an idle loop cycles every 50 ms) before it aborts the job instead.
 _FAREWELL_WAIT_S = 10.0
+# The tensor of a refusal (Runtime.refuse): it carries only its name and reason.
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 # How long a rank at exit waits for the others to reach their exit too before the
 # shared-memory windows are freed together (MPI_Finalize waits for them anyway).
 _SHM_CLOSE_WAIT_S = 60.0
@@ -159,6 +161,8 @@ class Runtime:
         self._handle_ids = itertools.count()
         self._waiters = 0
         self._shutdown_requested = False
+        self._shutdown_reason: Optional[str] = None
+        self._farewell_pending = False  # see _abort_after_agreement
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
         self._last_stall_warning: Optional[float] = None
@@ -217,20 +221,60 @@ class Runtime:
         may wait for them, until end_burst(), a caller blocks, or a few cycle times pass.
         """
         self._check_process()
-        with self._lock:
-            self._check_submittable([request])
-            return self._enqueue(request, burst)
+        while True:
+            with self._lock:
+                refused = self._refused_in_flight([request])
+                if refused is None:
+                    self._check_submittable([request])
+                    return self._enqueue(request, burst)
+            self._await_refusal(refused)
 
     def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
         """Queue several requests at once (a grouped collective), so the loop negotiates and
         fuses them together; returns their handles. Nothing is queued when one fails."""
         self._check_process()
-        with self._lock:
+        while True:
+            with self._lock:
+                refused = self._refused_in_flight(requests)
+                if refused is None:
+                    break
+            self._await_refusal(refused)
+        with self._lock:  # released only to wait: nothing else submits under these names
             self._check_submittable(requests)
             group = next(self._group_submissions)
             for place, request in enumerate(requests):
                 request.group_place = (group, place)
             return [self._enqueue(request, burst) for request in requests]
+
+    def refuse(self, names: Sequence[str], kind: str, reason: str) -> None:
+        """Tell the other ranks that this rank refused the operations `names` (bad input,
+        raised to its own caller): their matching operations then fail naming this rank and
+        `reason` instead of waiting for it. Nothing is sent with one rank, after a failure
+        or shutdown, or for a name already in flight (the others match that one)."""
+        if self.size == 1 or os.getpid() != self._pid:
+            return
+        with self._lock:
+            if self._failure is not None or self._shutdown_requested:
+                return
+            for name in names:
+                if name not in self._in_flight:
+                    spec = TensorSpec(kind, "", (), refused=reason)
+                    self._enqueue(Request(name, spec, _NOTHING, None), burst=False)
+
+    def _refused_in_flight(self, requests: List[Request]) -> Optional[Request]:
+        # Under the lock. A name refused here a moment ago may be submitted again at once
+        # (a caller that caught the error and retries): it waits until the refusal is
+        # settled, which takes one round once every rank has submitted the name.
+        for request in requests:
+            pending = self._in_flight.get(request.name)
+            if pending is not None and pending.spec.refused:
+                return pending
+        return None
+
+    def _await_refusal(self, refused: Request) -> None:
+        while not refused.done.wait(0.1):
+            if not self._thread.is_alive():
+                raise FusionRingError("the fusionring background loop has stopped")
 
     def _check_process(self) -> None:
         # Before the lock: a fork may have copied it held by the loop, which the child lacks.
@@ -357,13 +401,19 @@ class Runtime:
         members do, whatever other sets they are in)."""
         return f"optimizer.{next(self._group_labels)}"
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Tell every rank this one is leaving, then stop the background loop."""
+    def shutdown(self, timeout_s: float = 30.0, reason: Optional[str] = None) -> None:
+        """Tell every rank this one is leaving, then stop the background loop; operations
+        still pending fail with `reason` (default: naming the ranks that shut down)."""
         with self._lock:
             self._shutdown_requested = True
+            self._shutdown_reason = reason
             self._wakeup.notify()
-        # A loop that failed may be saying farewell to peers that are gone: do not wait long.
-        self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
+        # A loop that failed may be saying farewell to peers that are gone: do not wait long,
+        # unless it is deciding whether to abort the job (peers stuck inside a collective).
+        if self._farewell_pending:
+            self._thread.join(_FAREWELL_WAIT_S + 5.0)
+        else:
+            self._thread.join(timeout_s if self._failure is None else min(timeout_s, 1.0))
         if self._timeline_owner is None:
             self.stop_timeline()
         nccl, self._nccl = self._nccl, None
@@ -455,6 +505,8 @@ class Runtime:
         with self._lock:
             if self._in_flight.get(request.name) is request:
                 del self._in_flight[request.name]
+            if request.spec.refused:  # nobody waits for a refusal's handle
+                self._handles.pop(request.handle, None)
         request.done.set()
 
     def _fail_everything(self, error: BaseException) -> None:
@@ -487,22 +539,30 @@ class Runtime:
                     else:
                         self._pending[request.name] = request
                 # Vote to release incomplete groups only when blocked with nothing of ours
-                # still to negotiate: then no further member can arrive from this rank.
-                flush = waiting and not self._pending
+                # still to negotiate: then no further member can arrive from this rank. (A
+                # refusal waits only for the others to submit its name.)
+                flush = waiting and all(r.spec.refused for r in self._pending.values())
                 stall_check = self._stall_check_due(started)
                 outcome = self._negotiator.cycle(
                     [(r.name, r.spec, started - r.submitted_at) for r in self._pending.values()],
-                    flush=flush, shutdown=shutdown, stall_check=stall_check,
+                    flush=flush, shutdown=(self._shutdown_reason or True) if shutdown else False,
+                    stall_check=stall_check,
                     joined=self._join_request is not None, idle=not self._scheduler.pending,
                     reduce=self._in_round() if self._reduce_in_round else None)
                 self.stats.cycles = self._negotiator.cycles
                 self.stats.full_exchanges = self._negotiator.full_exchanges
                 if outcome.shutdown_ranks:
-                    others = [r for r in outcome.shutdown_ranks if r != self.rank]
-                    reason = ("fusionring has been shut down" if not others else
-                              f"fusionring has been shut down because rank(s) "
-                              f"{', '.join(map(str, others))} shut down (finished, or failed "
-                              f"with an exception); operations still pending cannot complete")
+                    others = [r if self.global_ranks is None else self.global_ranks[r]
+                              for r in outcome.shutdown_ranks if r != self.rank]
+                    if outcome.shutdown_reason:
+                        reason = outcome.shutdown_reason
+                    elif not others:
+                        reason = "fusionring has been shut down"
+                    else:
+                        reason = (f"fusionring has been shut down because rank(s) "
+                                  f"{', '.join(map(str, others))} shut down (finished, or "
+                                  f"failed with an exception); operations still pending "
+                                  f"cannot complete")
                     self._fail_everything(FusionRingError(reason))
                     return
                 if outcome.stall_warning and self.rank == 0:
@@ -605,8 +665,12 @@ class Runtime:
             self._farewell()
             taken.set()
 
+        # A caller that ends its script meanwhile must not finalize MPI (which waits for the
+        # peers) before this decides: shutdown() waits for it.
+        self._farewell_pending = True
         threading.Thread(target=farewell, name="fusionring-farewell", daemon=True).start()
         if taken.wait(_FAREWELL_WAIT_S):
+            self._farewell_pending = False
             return
         print(f"{message}\n{''.join(traceback.format_exception(exc))}"
               f"fusionring: the other ranks are inside these operations and cannot be told; "

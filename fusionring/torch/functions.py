@@ -268,6 +268,25 @@ def _full_name(kind: str, name: Optional[str]) -> str:
     return f"{kind}.{name}"
 
 
+def _requests(kind: str, names: Sequence[Optional[str]],
+              build: Callable[[int, str], Request]) -> List[Request]:
+    """`build(i, full_name)` for each of `names` (None: unnamed), one operation's requests.
+
+    Bad input (a ValueError, TypeError or NotImplementedError from `build`) is raised to
+    the caller at once, as always, and also told to the other ranks: their matching
+    operation fails naming this rank and the error, instead of waiting for a tensor this
+    rank will never send. Every name is drawn first, so a refused unnamed operation moves
+    the unnamed count on as it does on the ranks that ran it.
+    """
+    runtime = _rt.get(kind)
+    fulls = [_full_name(kind, name) for name in names]
+    try:
+        return [build(i, full) for i, full in enumerate(fulls)]
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        runtime.refuse(fulls, kind, f"{type(exc).__name__}: {exc}")
+        raise
+
+
 def _check_gpu(tensor: torch.Tensor, name: str, runtime) -> None:
     """A CUDA tensor must lie on the GPU this rank's NCCL collectives run on: refused here,
     on the caller's rank, rather than hanging its peers inside NCCL."""
@@ -337,11 +356,10 @@ def _compressor(compression: Any) -> Any:
     return built
 
 
-def _allreduce_request(tensor: torch.Tensor, name: Optional[str], op, average,
+def _allreduce_request(tensor: torch.Tensor, name: Optional[str], full: str, op, average,
                        prescale_factor: float, postscale_factor: float,
                        in_place: bool, compression=None) -> Request:
     runtime = _rt.get("allreduce")
-    full = _full_name("allreduce", name)
     reduce_op = resolve_op(op, average)
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
@@ -447,9 +465,9 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: Optional[str] = No
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set=None) -> int:
     """Start an allreduce of `tensor` into a new tensor; returns a handle."""
-    request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
-                                 in_place=False)
-    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
+    requests = _requests("allreduce", [name], lambda _, full: _allreduce_request(
+        tensor, name, full, op, average, prescale_factor, postscale_factor, in_place=False))
+    return _register(_submit(requests), _outputs_on([tensor.device], single=True))
 
 
 @_routed
@@ -460,15 +478,17 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
 
     `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
     """
-    request = _allreduce_request(tensor, name, op, average, prescale_factor, postscale_factor,
-                                 in_place=True, compression=compression)
-    return _register(_submit([request]), _finish_into([tensor], single=True))
+    requests = _requests("allreduce", [name], lambda _, full: _allreduce_request(
+        tensor, name, full, op, average, prescale_factor, postscale_factor, in_place=True,
+        compression=compression))
+    return _register(_submit(requests), _finish_into([tensor], single=True))
 
 
 def _needs_grad(tensor: torch.Tensor) -> bool:
     """Whether a blocking collective must go through its autograd function: without a
     gradient to carry, autograd's bookkeeping is only cost (about 15 us a call)."""
-    return tensor.requires_grad and torch.is_grad_enabled()
+    # Anything else goes the plain way, where a non-tensor is refused naming the argument.
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
 @_keeps_runtime
@@ -597,8 +617,10 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
                             name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set=None) -> int:
     """Start an allreduce of several tensors as one operation; returns one handle."""
-    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, False)
-                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    tensors = list(tensors)
+    names = _group_names(name, len(tensors))
+    requests = _requests("allreduce", names, lambda i, full: _allreduce_request(
+        tensors[i], names[i], full, op, average, prescale_factor, postscale_factor, False))
     return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
 
 
@@ -611,9 +633,11 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
 
     `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
     """
-    requests = [_allreduce_request(t, n, op, average, prescale_factor, postscale_factor, True,
-                                   compression=compression)
-                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    tensors = list(tensors)
+    names = _group_names(name, len(tensors))
+    requests = _requests("allreduce", names, lambda i, full: _allreduce_request(
+        tensors[i], names[i], full, op, average, prescale_factor, postscale_factor, True,
+        compression=compression))
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
 
@@ -623,8 +647,9 @@ def _grouped_allreduce_named_async_(tensors: Sequence[torch.Tensor], names: Sequ
     """As grouped_allreduce_async_, each tensor under a name of its own (a compressor keeps
     its state per name): one group, negotiated and fused together, so the batches it makes
     are the same at every step that sends the same tensors."""
-    requests = [_allreduce_request(t, n, op, None, 1.0, 1.0, True, compression=compression)
-                for t, n in zip(tensors, names)]
+    tensors, names = list(tensors), list(names)
+    requests = _requests("allreduce", names, lambda i, full: _allreduce_request(
+        tensors[i], names[i], full, op, None, 1.0, 1.0, True, compression=compression))
     return _register(_submit(requests), _finish_into(list(tensors), single=False))
 
 
@@ -676,9 +701,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: Opti
 
 
 # ---------------------------------------------------------------------- allgather
-def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> Request:
+def _allgather_request(tensor: torch.Tensor, name: Optional[str], full: str) -> Request:
     runtime = _rt.get("allgather")
-    full = _full_name("allgather", name)
     on_device = _moves_on_gpu(tensor, runtime, name or full)
     host = _host(tensor, name or full, reduced=False, on_device=on_device)
     if host.dim() == 0:
@@ -691,8 +715,9 @@ def _allgather_request(tensor: torch.Tensor, name: Optional[str]) -> Request:
 @_routed
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set=None) -> int:
     """Start gathering `tensor` from all ranks, concatenated along dim 0 (sizes may differ)."""
-    request = _allgather_request(tensor, name)
-    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
+    requests = _requests("allgather", [name],
+                         lambda _, full: _allgather_request(tensor, name, full))
+    return _register(_submit(requests), _outputs_on([tensor.device], single=True))
 
 
 @_routed
@@ -714,8 +739,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     _, _, postscale = core_reduction(reduce_op, 1.0, 1.0, _rt.get("sparse_allreduce_async()").size)
     sparse = tensor.coalesce()
     # Allgather concatenates along dim 0, so indices travel as (nnz, ndim) rows.
-    requests = [_allgather_request(sparse.indices().t().contiguous(), f"{label}.indices"),
-                _allgather_request(sparse.values().contiguous(), f"{label}.values")]
+    parts = [sparse.indices().t().contiguous(), sparse.values().contiguous()]
+    names = [f"{label}.indices", f"{label}.values"]
+    requests = _requests("allgather", names,
+                         lambda i, full: _allgather_request(parts[i], names[i], full))
 
     def finish(done):
         indices, values = done[0].output, done[1].output
@@ -770,7 +797,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
     synchronize(handle) returns the list of gathered tensors, in the order of `tensors`.
     """
     tensors = list(tensors)
-    requests = [_allgather_request(t, n) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    names = _group_names(name, len(tensors))
+    requests = _requests("allgather", names,
+                         lambda i, full: _allgather_request(tensors[i], names[i], full))
     return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
 
 
@@ -842,10 +871,9 @@ def _alltoall_splits(splits, rows: int, size: int, what: str) -> List[int]:
     return values
 
 
-def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> Request:
+def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str], full: str) -> Request:
     runtime = _rt.get("alltoall")
     what = _described("alltoall", name)
-    # Checked before a name is generated, so a refused call leaves unnamed numbering alone.
     on_device = _moves_on_gpu(tensor, runtime, name if name is not None else "(unnamed)")
     host = _host(tensor, name if name is not None else "(unnamed)", reduced=False,
                  on_device=on_device)
@@ -854,7 +882,7 @@ def _alltoall_request(tensor: torch.Tensor, splits, name: Optional[str]) -> Requ
     sent = _alltoall_splits(splits, host.shape[0], runtime.size, what)
     spec = TensorSpec("alltoall", dtype_name(tensor.dtype), tuple(host.shape),
                       device=DEVICE if on_device else "")
-    return Request(_full_name("alltoall", name), spec, host, None, payload={"splits": sent},
+    return Request(full, spec, host, None, payload={"splits": sent},
                    ready_event=ready_event(host) if on_device else None)
 
 
@@ -866,7 +894,8 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None
     received_splits is int32 on the CPU, or has the dtype and device of `splits` when
     that is a tensor (as in Horovod).
     """
-    request = _alltoall_request(tensor, splits, name)
+    requests = _requests("alltoall", [name],
+                         lambda _, full: _alltoall_request(tensor, splits, name, full))
     device = tensor.device
     like = splits if isinstance(splits, torch.Tensor) else None
 
@@ -878,7 +907,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: Optional[str] = None
                                 device=like.device if like is not None else "cpu")
         return output, received
 
-    return _register(_submit([request]), finish)
+    return _register(_submit(requests), finish)
 
 
 @_keeps_runtime
@@ -912,7 +941,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: Optional[str] = None,
 
 
 # ---------------------------------------------------------------------- reducescatter
-def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
+def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], full: str, op,
                            prescale_factor: float, postscale_factor: float) -> Request:
     runtime = _rt.get("reducescatter")
     what = _described("reducescatter", name)
@@ -932,7 +961,7 @@ def _reducescatter_request(tensor: torch.Tensor, name: Optional[str], op,
     spec = TensorSpec("reducescatter", dtype_name(tensor.dtype), tuple(tensor.shape),
                       op=reduce_op.name, prescale=float(prescale_factor),
                       postscale=float(postscale_factor), device=DEVICE if on_device else "")
-    return Request(_full_name("reducescatter", name), spec, host, None, core_op=core_op,
+    return Request(full, spec, host, None, core_op=core_op,
                    prescale=pre, postscale=post,
                    ready_event=ready_event(host) if on_device else None)
 
@@ -942,8 +971,9 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op=Ave
                         process_set=None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of `tensor`; synchronize(handle) returns this rank's block."""
-    request = _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor)
-    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
+    requests = _requests("reducescatter", [name], lambda _, full: _reducescatter_request(
+        tensor, name, full, op, prescale_factor, postscale_factor))
+    return _register(_submit(requests), _outputs_on([tensor.device], single=True))
 
 
 @_routed
@@ -952,8 +982,9 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of several tensors as one operation; returns one handle."""
     tensors = list(tensors)
-    requests = [_reducescatter_request(t, n, op, prescale_factor, postscale_factor)
-                for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    names = _group_names(name, len(tensors))
+    requests = _requests("reducescatter", names, lambda i, full: _reducescatter_request(
+        tensors[i], names[i], full, op, prescale_factor, postscale_factor))
     return _register(_submit(requests), _outputs_on([t.device for t in tensors], single=False))
 
 
@@ -1003,6 +1034,8 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
 
 def _wire_form(compression, tensor: torch.Tensor, kind: str):
     """Apply a Horovod-style compressor; those that reduce inside the runtime do not fit."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{kind}: the tensor must be a torch.Tensor, not {type(tensor).__name__}")
     if capabilities(compression).in_runtime:
         raise ValueError(f"{kind} takes Compression.none or Compression.fp16; "
                          f"{compression!r} reduces inside the allreduce only")
@@ -1047,7 +1080,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 
 
 # ---------------------------------------------------------------------- broadcast
-def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str],
+def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str], full: str,
                        in_place: bool) -> Request:
     runtime = _rt.get("broadcast")
     root = int(root_rank)
@@ -1060,7 +1093,6 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
     elif not 0 <= root < runtime.size:
         raise ValueError(f"{what}: root_rank {root_rank} is out of range for {runtime.size} "
                          f"ranks")
-    full = _full_name("broadcast", name)
     on_device = _moves_on_gpu(tensor, runtime, name or full)
     host = _host(tensor, name or full, reduced=False, on_device=on_device)
     output = host if in_place or not _shares_memory(host, tensor) else host.clone()
@@ -1075,16 +1107,18 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: Optional[str]
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set=None) -> int:
     """Start broadcasting root's `tensor` into a new tensor on every rank."""
-    request = _broadcast_request(tensor, root_rank, name, in_place=False)
-    return _register(_submit([request]), _outputs_on([tensor.device], single=True))
+    requests = _requests("broadcast", [name], lambda _, full: _broadcast_request(
+        tensor, root_rank, name, full, in_place=False))
+    return _register(_submit(requests), _outputs_on([tensor.device], single=True))
 
 
 @_routed
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set=None) -> int:
     """Start broadcasting root's `tensor` into `tensor` on every rank."""
-    request = _broadcast_request(tensor, root_rank, name, in_place=True)
-    return _register(_submit([request]), _finish_into([tensor], single=True))
+    requests = _requests("broadcast", [name], lambda _, full: _broadcast_request(
+        tensor, root_rank, name, full, in_place=True))
+    return _register(_submit(requests), _finish_into([tensor], single=True))
 
 
 @_keeps_runtime

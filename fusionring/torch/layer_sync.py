@@ -10,7 +10,7 @@ parameters.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         summed[n] = acc.add(n, grad.detach())
     scores = torch.tensor(selection.scores(summed), dtype=torch.float64)
-    multi = _size(process_set) > 1
+    multi = _size(process_set) != 1  # None: a set no longer added, refused by the allreduce
     total = F.allreduce(scores, op=F.Sum, name="layer_selection.scores",
                         process_set=process_set) if multi else scores
     chosen = selection.choose(total.tolist())
@@ -81,5 +81,5 @@ def _reduce(sent: List[str], summed, compression, process_set) -> None:
         summed[n] = compression.decompress(payload, ctx)
 
 
-def _size(process_set) -> int:
+def _size(process_set) -> Optional[int]:
     return F.size() if process_set is None else process_set.size()
