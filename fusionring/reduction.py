@@ -64,3 +64,6 @@ class ReductionContext:
     # For a batch of CUDA tensors: the in-place sum of a tensor on their GPU over the ranks
     # (NCCL's allreduce), for payloads that can be summed (None on the host).
     device_allreduce: Optional[Callable[[torch.Tensor], None]] = None
+    # For a batch on the host: every rank's CPU tensor (dim 0 may differ by rank), in rank
+    # order, for payloads that cannot be summed (indices, say): `allgather(tensor)` -> list.
+    allgather: Optional[Callable[[torch.Tensor], List[torch.Tensor]]] = None

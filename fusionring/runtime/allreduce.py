@@ -128,16 +128,18 @@ class CompressedAllreduce(AllreduceOp):
         else:
             outputs = list(torch.split(buffer.reshape(-1), [r.output.numel() for r in requests]))
         names = [r.name for r in requests]
-        device_ring = device_allreduce = None
+        device_ring = device_allreduce = allgather = None
         if first.tensor.is_cuda:
             device_ring, device_allreduce = rt.nccl().ring, rt.nccl().sum_in_place
+        else:
+            allgather = rt._mpi.gather_parts
         return ReductionContext(
             core=rt._core, outputs=outputs, names=names,
             keys=[n if is_cacheable(n) else None for n in names], buffer=buffer,
             core_op=first.core_op, prescale=first.prescale, postscale=first.postscale,
             ring_segment_bytes=rt.config.ring_segment_bytes,
             small_message_bytes=rt.config.small_message_bytes, size=rt.size,
-            device_ring=device_ring, device_allreduce=device_allreduce)
+            device_ring=device_ring, device_allreduce=device_allreduce, allgather=allgather)
 
 
 class SharedMemoryAllreduce(AllreduceOp):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -621,43 +621,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             try:
                 output = F.synchronize(handle)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+                self._take_reduced(p, output, ctx, identity)
             except Exception as exc:  # noqa: BLE001 - release every handle, then raise
                 errors.append(exc)
-                continue
-            self._allreduce_delay[p] = self.backward_passes_per_step
-            if identity and ctx is not _SPARSE and not p.grad.is_sparse:
-                if output.data_ptr() != p.grad.data_ptr():  # reduced in place: nothing to do
-                    with torch.no_grad():
-                        p.grad.copy_(output)
-                continue
-            into = self._compression.decompress_into if self._caps.reduces_into else None
-            started = time.perf_counter()
-            if (into is not None and ctx is not _SPARSE and not self._adasum
-                    and not p.grad.is_sparse):
-                with torch.no_grad():
-                    into(output, ctx, p.grad)  # one cast into place, no decoded copy
-                self._trace(p, "decompress", started)
-                continue
-            result = output if ctx is _SPARSE else self._compression.decompress(output, ctx)
-            if ctx is not _SPARSE:
-                self._trace(p, "decompress", started)
-            if self._adasum:
-                with torch.no_grad():
-                    start = self._starting_models[p]
-                    start.add_(result.to(start.dtype))
-                    p.copy_(start)
-            elif p.grad.is_sparse:
-                # Optimizers for sparse gradients (SparseAdam) need them to stay sparse.
-                if not result.is_sparse:
-                    rows = F.synchronize(self._sparse_rows.pop(p))
-                    index = rows.nonzero().t()
-                    result = torch.sparse_coo_tensor(index, result[tuple(index)], result.shape,
-                                                     is_coalesced=True, check_invariants=False)
-                with torch.no_grad():
-                    p.grad.zero_().add_(result)
-            elif result.data_ptr() != p.grad.data_ptr():
-                with torch.no_grad():
-                    p.grad.copy_(result)
         self._handles.clear()
         self._drop_sparse_rows()
         for unit in self._unit_list:
@@ -669,6 +636,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._ready_order is not None:
             ready, self._ready_order = list(dict.fromkeys(self._ready_order)), None
             self._after_first_step(ready)
+
+    def _take_reduced(self, p: torch.Tensor, output: torch.Tensor, ctx: Any,
+                      identity: bool) -> None:
+        """Put parameter `p`'s reduced gradient `output` into p.grad (decoded with `ctx`)."""
+        # A compressor that reduces inside the runtime wrote the result in place, decoded.
+        plain = identity or (self._caps.in_runtime and not self._adasum)
+        if plain and ctx is not _SPARSE and not p.grad.is_sparse:
+            if output.data_ptr() != p.grad.data_ptr():  # reduced in place: nothing to do
+                with torch.no_grad():
+                    p.grad.copy_(output)
+            return
+        into = self._compression.decompress_into if self._caps.reduces_into else None
+        started = time.perf_counter()
+        if (into is not None and not plain and ctx is not _SPARSE and not self._adasum
+                and not p.grad.is_sparse):
+            with torch.no_grad():
+                into(output, ctx, p.grad)  # one cast into place, no decoded copy
+            self._trace(p, "decompress", started)
+            return
+        if ctx is _SPARSE or plain:
+            result = output
+        else:
+            result = self._compression.decompress(output, ctx)
+            self._trace(p, "decompress", started)
+        if self._adasum:
+            with torch.no_grad():
+                start = self._starting_models[p]
+                start.add_(result.to(start.dtype))
+                p.copy_(start)
+        elif p.grad.is_sparse:
+            # Optimizers for sparse gradients (SparseAdam) need them to stay sparse.
+            if not result.is_sparse:
+                rows = F.synchronize(self._sparse_rows.pop(p))
+                index = rows.nonzero().t()
+                result = torch.sparse_coo_tensor(index, result[tuple(index)], result.shape,
+                                                 is_coalesced=True, check_invariants=False)
+            with torch.no_grad():
+                p.grad.zero_().add_(result)
+        elif result.data_ptr() != p.grad.data_ptr():
+            with torch.no_grad():
+                p.grad.copy_(result)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before gradients are reduced."""
