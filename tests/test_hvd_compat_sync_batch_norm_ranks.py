@@ -114,3 +114,29 @@ def test_sync_batch_norm_in_eval_without_running_stats_uses_global_statistics(tm
         assert torch.allclose(torch.tensor(grads), xs[r].grad, atol=1e-5), r
         assert torch.allclose(torch.tensor(got["running stats"]), (_batch(0, r) - 0.5) / 2.0,
                               atol=1e-4), r
+
+
+ONE_VALUE = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+bn = hvd.SyncBatchNorm(3)
+out = {}
+try:  # one value per channel over both ranks: rank 0 has one sample, rank 1 none
+    bn(torch.ones(1 - r, 3))
+except ValueError as exc:
+    out["one"] = str(exc)
+out["tracked"] = int(bn.num_batches_tracked)
+out["two"] = bn(torch.arange(6.0).view(2, 3) + r).shape[0]  # still usable
+report(out)
+'''
+
+
+def test_sync_batch_norm_refuses_one_value_per_channel_on_every_rank(tmp_path):
+    """As torch's BatchNorm: training on one value per channel (counted over all ranks) is
+    an error, raised on every rank, and nothing is tracked."""
+    for out in run_ranks(2, ONE_VALUE, tmp_path, timeout=60):
+        assert out["one"].startswith("Expected more than 1 value per channel when training, "
+                                     "got 1 over all ranks"), out
+        assert out["tracked"] == 0 and out["two"] == 2

@@ -116,6 +116,10 @@ class SyncBatchNorm(_BatchNorm):
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         with torch.no_grad():
             mean, var, n = _global_mean_var(x, dims, channels, name)
+            if self.training and n <= 1:  # n is global: every rank raises alike
+                raise ValueError(f"Expected more than 1 value per channel when training, got "
+                                 f"{int(n)} over all ranks (input size {list(input.shape)} "
+                                 f"on this rank)")
             if self.track_running_stats:
                 self.num_batches_tracked += 1
                 momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
