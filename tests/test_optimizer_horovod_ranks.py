@@ -178,3 +178,51 @@ def test_each_rank_keeps_its_own_residuals_when_given_another_ranks_state(tmp_pa
     assert results[0]["own"] != results[1]["own"]
     assert results[0]["warnings"] == []
     assert len(results[1]["warnings"]) == 1 and "saved by rank 0" in results[1]["warnings"][0]
+
+
+WRAPPED_AGAIN = r'''
+import copy, gc, torch
+import torch.nn as nn
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+out = {}
+for how in ("same", "new"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 4 * P, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6, 4 * P), generator=g)
+    for step in range(6):
+        if step == 3:  # the first layer frozen, the optimizer wrapped again
+            for m in (model, ref):
+                m[0].requires_grad_(False)
+            if how == "new":  # a second phase with an optimizer of its own
+                base = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+                ref_opt = torch.optim.SGD(ref[2].parameters(), lr=0.1, momentum=0.9)
+                del opt
+                gc.collect()
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        opt.zero_grad()
+        mine = slice(4 * r, 4 * r + 4)
+        nn.functional.cross_entropy(model(x[step, mine]), y[step, mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x[step]), y[step]).backward()
+        ref_opt.step()
+    out[how] = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                               ref.parameters()))
+report(out)
+'''
+
+
+def test_wrapping_again_hands_the_parameters_to_the_new_optimizer(tmp_path):
+    """As the README says to after changing requires_grad: the newest DistributedOptimizer
+    reduces a parameter, the earlier one lets go of it (both used to submit its gradient
+    under one name, and backward failed)."""
+    for out in run_ranks(2, WRAPPED_AGAIN, tmp_path, timeout=90):
+        assert out["same"] < 1e-12 and out["new"] < 1e-12, out

@@ -163,6 +163,7 @@ class Runtime:
         self._shutdown_requested = False
         self._shutdown_reason: Optional[str] = None
         self._farewell_pending = False  # see _abort_after_agreement
+        self._refusals = 0  # refusals in flight (see refuse)
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
         self._last_stall_warning: Optional[float] = None
@@ -223,7 +224,7 @@ class Runtime:
         self._check_process()
         while True:
             with self._lock:
-                refused = self._refused_in_flight([request])
+                refused = self._refused_in_flight([request]) if self._refusals else None
                 if refused is None:
                     self._check_submittable([request])
                     return self._enqueue(request, burst)
@@ -260,11 +261,14 @@ class Runtime:
                 if name not in self._in_flight:
                     spec = TensorSpec(kind, "", (), refused=reason)
                     self._enqueue(Request(name, spec, _NOTHING, None), burst=False)
+                    self._refusals += 1
 
     def _refused_in_flight(self, requests: List[Request]) -> Optional[Request]:
         # Under the lock. A name refused here a moment ago may be submitted again at once
         # (a caller that caught the error and retries): it waits until the refusal is
         # settled, which takes one round once every rank has submitted the name.
+        if not self._refusals:
+            return None
         for request in requests:
             pending = self._in_flight.get(request.name)
             if pending is not None and pending.spec.refused:
@@ -505,6 +509,7 @@ class Runtime:
         with self._lock:
             if self._in_flight.get(request.name) is request:
                 del self._in_flight[request.name]
+                self._refusals -= 1 if request.spec.refused else 0
             if request.spec.refused:  # nobody waits for a refusal's handle
                 self._handles.pop(request.handle, None)
         request.done.set()

@@ -278,13 +278,21 @@ def _requests(kind: str, names: Sequence[Optional[str]],
     rank will never send. Every name is drawn first, so a refused unnamed operation moves
     the unnamed count on as it does on the ranks that ran it.
     """
-    runtime = _rt.get(kind)
     fulls = [_full_name(kind, name) for name in names]
     try:
         return [build(i, full) for i, full in enumerate(fulls)]
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        runtime.refuse(fulls, kind, f"{type(exc).__name__}: {exc}")
+    except _REFUSALS as exc:
+        _refuse(kind, fulls, exc)
         raise
+
+
+# What a request builder raises for bad input (see _requests).
+_REFUSALS = (ValueError, TypeError, NotImplementedError)
+
+
+def _refuse(kind: str, fulls: List[str], exc: BaseException) -> None:
+    # The runtime the builder used (a process set's, within the caller's routing).
+    _rt.get(kind).refuse(fulls, kind, f"{type(exc).__name__}: {exc}")
 
 
 def _check_gpu(tensor: torch.Tensor, name: str, runtime) -> None:
@@ -478,10 +486,15 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
 
     `compression` is only for compressors that reduce inside the runtime (``in_runtime``).
     """
-    requests = _requests("allreduce", [name], lambda _, full: _allreduce_request(
-        tensor, name, full, op, average, prescale_factor, postscale_factor, in_place=True,
-        compression=compression))
-    return _register(_submit(requests), _finish_into([tensor], single=True))
+    # _requests, unrolled: every gradient of every step comes this way.
+    full = _full_name("allreduce", name)
+    try:
+        request = _allreduce_request(tensor, name, full, op, average, prescale_factor,
+                                     postscale_factor, in_place=True, compression=compression)
+    except _REFUSALS as exc:
+        _refuse("allreduce", [full], exc)
+        raise
+    return _register(_submit([request]), _finish_into([tensor], single=True))
 
 
 def _needs_grad(tensor: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,6 +32,11 @@ _RACE_MESSAGE = ("optimizer.zero_grad() was called after loss.backward() but bef
                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
                  "a race condition.")
 _SPARSE = object()  # ctx of a sparse gradient reduced by allgather
+# Which DistributedOptimizer's hook reduces each parameter (by id: the parameter, the
+# optimizer, the hook's handle; weak, so neither is kept alive). Wrapping a parameter again
+# (after changing requires_grad, or with a new optimizer for a second phase) hands it to the
+# new wrapper, instead of both submitting its gradient under one name.
+_HOOKED: Dict[int, Tuple[Any, Any, Any]] = {}
 _TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_step times before "
                        "call to step(). Increase backward_passes_per_step to accumulate gradients "
                        "locally.")
@@ -385,7 +391,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _register_hooks(self) -> None:
         for p in self._requires_update:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hook(p)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        """Reduce `p`'s gradients from now on, taking it over from an earlier wrapper."""
+        earlier = _HOOKED.get(id(p))
+        if earlier is not None:
+            param, owner, handle = earlier[0](), earlier[1](), earlier[2]
+            if param is p and owner is not None and owner is not self:
+                handle.remove()
+                owner._hand_over(p)
+        handle = p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hook_handles.append(handle)
+        _HOOKED[id(p)] = (weakref.ref(p), weakref.ref(self), handle)
+
+    def _hand_over(self, p: torch.Tensor) -> None:
+        """A newer DistributedOptimizer wraps `p`: this one no longer reduces it."""
+        self._requires_update = [q for q in self._requires_update if q is not p]
+        self._allreduce_delay.pop(p, None)
+        self._handles.pop(p, None)
+        self._reset_delays()
 
     # ------------------------------------------------------------------ gradient flow
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -840,8 +865,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._allreduce_delay[p] = self.backward_passes_per_step
                 self._burst_left += 1
                 if self._size > 1:
-                    self._hook_handles.append(
-                        p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                    self._hook(p)
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._optimizer!r})"
