@@ -224,6 +224,7 @@ class Runtime:
         self._check_process()
         while True:
             with self._lock:
+                # Checked inline first: every gradient of every step is submitted here.
                 refused = self._refused_in_flight([request]) if self._refusals else None
                 if refused is None:
                     self._check_submittable([request])
@@ -509,7 +510,8 @@ class Runtime:
         with self._lock:
             if self._in_flight.get(request.name) is request:
                 del self._in_flight[request.name]
-                self._refusals -= 1 if request.spec.refused else 0
+                if request.spec.refused:
+                    self._refusals -= 1
             if request.spec.refused:  # nobody waits for a refusal's handle
                 self._handles.pop(request.handle, None)
         request.done.set()
