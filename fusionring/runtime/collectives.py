@@ -29,24 +29,12 @@ class MpiCollectives:
 
     def allgather(self, requests: List[Request]) -> None:
         request = requests[0]
-        MPI = self._rt._MPI
-        dims = request.ready_info.first_dims
-        rest = tuple(request.tensor.shape[1:])
-        row_bytes = request.tensor.element_size() * math.prod(rest)
-        output = torch.empty((sum(dims),) + rest, dtype=request.tensor.dtype)
-        counts = [d * row_bytes for d in dims]
-        self._rt._data_comm.Allgatherv([byte_view(request.tensor), MPI.BYTE],
-                                   [byte_view(output), counts, _displacements(counts), MPI.BYTE])
-        request.output = output
-        self._rt.stats.bytes_sent += sum(counts)
+        request.output = self._gather(request.tensor, request.ready_info.first_dims)
+        self._rt.stats.bytes_sent += request.output.numel() * request.output.element_size()
 
-    def gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's `tensor` (a CPU tensor whose dim 0 may differ by rank), in rank
-        order: what a compressor whose payload cannot be summed (indices, say) exchanges in
-        its communicate(). Runs on the background thread, inside the batch's reduction."""
+    def _gather(self, tensor: torch.Tensor, dims: List[int]) -> torch.Tensor:
+        """Every rank's rows of `tensor` (rank r has dims[r] of them), concatenated."""
         MPI = self._rt._MPI
-        tensor = tensor.contiguous() if tensor.dim() else tensor.reshape(1)
-        dims = [int(d) for d in self._rt._data_comm.allgather(tensor.shape[0])]
         rest = tuple(tensor.shape[1:])
         row_bytes = tensor.element_size() * math.prod(rest)
         output = torch.empty((sum(dims),) + rest, dtype=tensor.dtype)
@@ -54,7 +42,15 @@ class MpiCollectives:
         self._rt._data_comm.Allgatherv([byte_view(tensor), MPI.BYTE],
                                        [byte_view(output), counts, _displacements(counts),
                                         MPI.BYTE])
-        return list(torch.split(output, dims))
+        return output
+
+    def gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's `tensor` (a CPU tensor whose dim 0 may differ by rank), in rank
+        order: what a compressor whose payload cannot be summed (indices, say) exchanges in
+        its communicate(). Runs on the background thread, inside the batch's reduction."""
+        tensor = tensor.contiguous() if tensor.dim() else tensor.reshape(1)
+        dims = [int(d) for d in self._rt._data_comm.allgather(tensor.shape[0])]
+        return list(torch.split(self._gather(tensor, dims), dims))
 
     def alltoall(self, requests: List[Request]) -> None:
         """Send rows of dim 0 to each rank as this rank's splits say; receive the peers'.
