@@ -35,9 +35,11 @@ def test_train_ps_example_trains(flags):
     from fusionring.datasets import load_digits_split
 
     servers = int(flags[flags.index("--servers") + 1]) if "--servers" in flags else 1
-    workers, epochs, batch = 2, 4, 32
+    # Plain SGD on this MLP swings between epochs at a large step (0.84 then 0.66 under bsp at lr 0.2), so the
+    # bar is set at a step that learns steadily, given epochs enough to get there.
+    workers, epochs, batch = 2, 8, 32
     cmd = [mpiexec_path(), "-n", str(servers + workers), sys.executable, str(ROOT / "examples/train_ps.py"),
-           "--epochs", str(epochs), "--batch-size", str(batch), "--lr", "0.3", *flags]
+           "--epochs", str(epochs), "--batch-size", str(batch), "--lr", "0.1", *flags]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
