@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Tuple
 
 
@@ -28,9 +29,11 @@ def resolve_op(op, average=None) -> ReduceOp:
     if op is not None and average is not None:
         raise ValueError("pass either op or the deprecated average argument, not both")
     if op is None:
-        if average is None or average:
+        if average is None:
             return ReduceOp.Average
-        return ReduceOp.Sum
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return ReduceOp.Average if average else ReduceOp.Sum
     try:
         return ReduceOp(int(op))
     except (ValueError, TypeError):

@@ -166,7 +166,9 @@ class _Operation:
 
 _operations: Dict[int, _Operation] = {}
 _operation_ids = itertools.count()
-_auto_names = itertools.count()
+# Unnamed operations are numbered per process set (by its global ranks; () is the global
+# set), so ranks that share one set agree on its names whatever they run on other sets.
+_auto_names: Dict[Tuple[int, ...], Iterator[int]] = {}
 # broadcast_object's own counts, one per process set (by its ranks), so an unnamed operation
 # that one rank skipped (one that failed elsewhere while it had joined), or a broadcast within
 # a set this rank is not in, does not shift its names.
@@ -262,10 +264,24 @@ def synchronize(handle: int):
 
 
 # ---------------------------------------------------------------------- request building
+def _auto_number() -> int:
+    """The next number for an unnamed operation on the routed process set."""
+    runtime = _rt.current()
+    ranks = tuple(runtime.global_ranks) if runtime is not None and runtime.global_ranks else ()
+    return next(_auto_names.setdefault(ranks, itertools.count()))
+
+
 def _full_name(kind: str, name: Optional[str]) -> str:
     if name is None:
-        return f"{kind}{AUTO_NAME_MARK}{next(_auto_names)}"
+        return f"{kind}{AUTO_NAME_MARK}{_auto_number()}"
     return f"{kind}.{name}"
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    """The name of a backward collective: the forward's name and ".grad", so concurrent
+    backward passes (threads, overlapping process sets) pair up across ranks by name rather
+    than by the order they happen to run in. An unnamed forward gets an unnamed backward."""
+    return None if name is None else f"{name}.grad"
 
 
 def _requests(kind: str, names: Sequence[Optional[str]],
@@ -508,16 +524,17 @@ def _needs_grad(tensor: torch.Tensor) -> bool:
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        ctx.name, ctx.op, ctx.scales = name, op, (prescale_factor, postscale_factor)
         return synchronize(allreduce_async(tensor, name=name, op=op,
                                            prescale_factor=prescale_factor,
                                            postscale_factor=postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=ctx.op,
-                                              prescale_factor=ctx.scales[0],
-                                              postscale_factor=ctx.scales[1]))
+        # Through the differentiable allreduce: under create_graph=True the second-order
+        # graph runs through the collective too, as in Horovod.
+        reduced = allreduce(grad_output.contiguous(), name=_grad_name(ctx.name), op=ctx.op,
+                            prescale_factor=ctx.scales[0], postscale_factor=ctx.scales[1])
         return reduced, None, None, None, None
 
 
@@ -600,7 +617,7 @@ def check_summable(compression, payload, name: Optional[str]) -> None:
 def _compressed_allreduce(payload, ctx, compression, name, reduce_op, prescale, postscale):
     """Compressors whose payload is several summable parts reduce each part."""
     parts = list(payload)
-    base = name if name is not None else f"compressed{AUTO_NAME_MARK}{next(_auto_names)}"
+    base = name if name is not None else f"compressed{AUTO_NAME_MARK}{_auto_number()}"
     reduced = grouped_allreduce(parts, name=base, op=reduce_op, prescale_factor=prescale,
                                 postscale_factor=postscale)
     started = time.perf_counter()
@@ -670,16 +687,16 @@ def _grouped_allreduce_named_async_(tensors: Sequence[torch.Tensor], names: Sequ
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        ctx.name, ctx.op, ctx.scales = name, op, (prescale_factor, postscale_factor)
         return tuple(synchronize(grouped_allreduce_async(
             tensors, name=name, op=op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor)))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        reduced = synchronize(grouped_allreduce_async(
-            [g.contiguous() for g in grad_outputs], op=ctx.op, prescale_factor=ctx.scales[0],
-            postscale_factor=ctx.scales[1]))
+        reduced = grouped_allreduce([g.contiguous() for g in grad_outputs],
+                                    name=_grad_name(ctx.name), op=ctx.op,
+                                    prescale_factor=ctx.scales[0], postscale_factor=ctx.scales[1])
         return (None, None, None, None, *reduced)
 
 
@@ -743,7 +760,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
     the reduced sparse tensor; duplicate indices are summed when it is coalesced.
     """
     reduce_op = resolve_op(op)
-    label = name if name is not None else f"sparse{AUTO_NAME_MARK}{next(_auto_names)}"
+    label = name if name is not None else f"sparse{AUTO_NAME_MARK}{_auto_number()}"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor ('{label}')")
     if reduce_op not in (ReduceOp.Average, ReduceOp.Sum):
@@ -781,15 +798,17 @@ class _CallableHandle(int):
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
-        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        ctx.name, ctx.dim0 = name, tensor.shape[0] if tensor.dim() else 1
         return synchronize(allgather_async(tensor, name=name))
 
     @staticmethod
     def backward(ctx, grad_output):
         # As Horovod: the output gradient averaged over the ranks (of the set), then this
         # rank's rows of it.
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64)))
-        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
+        name = _grad_name(ctx.name)
+        dims = synchronize(allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64),
+                                           name=None if name is None else f"{name}.dims"))
+        reduced = allreduce(grad_output.contiguous(), name=name, op=Average)
         offset = int(dims[: _rt.get("allgather").rank].sum())
         return reduced.narrow(0, offset, ctx.dim0), None
 
@@ -820,15 +839,17 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, *tensors):
-        ctx.shapes = [t.shape for t in tensors]
+        ctx.name, ctx.shapes = name, [t.shape for t in tensors]
         ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
         return tuple(synchronize(grouped_allgather_async(tensors, name=name)))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64)))
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_outputs],
-                                                      op=Average))
+        name = _grad_name(ctx.name)
+        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64),
+                                           name=None if name is None else f"{name}.dims"))
+        reduced = grouped_allreduce([g.contiguous() for g in grad_outputs], name=name,
+                                    op=Average)
         offsets = dims[: _rt.get("grouped_allgather").rank].sum(dim=0).tolist()
         grads = [g.narrow(0, int(o), d).reshape(s)
                  for g, o, d, s in zip(reduced, offsets, ctx.dims, ctx.shapes)]
@@ -928,7 +949,7 @@ class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name):
         output, received = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received = received.tolist()
+        ctx.name, ctx.received = name, received.tolist()
         if splits is None:
             return output
         ctx.mark_non_differentiable(received)
@@ -937,7 +958,8 @@ class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, *unused):
         # The rows came back along the way they went: send each gradient row home.
-        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), splits=ctx.received))
+        grad, _ = alltoall(grad_output.contiguous(), splits=ctx.received,
+                           name=_grad_name(ctx.name))
         return grad, None, None
 
 
@@ -1002,7 +1024,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
 
 
 def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
-                         scales: Tuple[float, float]) -> List[torch.Tensor]:
+                         scales: Tuple[float, float], name: Optional[str]) -> List[torch.Tensor]:
     """Input gradients of a reducescatter: every rank's output gradient, gathered back.
 
     Scaled as Horovod scales them: by the set's size for Sum, by 1 for Average, and by
@@ -1014,7 +1036,7 @@ def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
     factor = float(scales[0]) * float(scales[1])
     if op == ReduceOp.Sum:
         factor *= _rt.get("reducescatter").size
-    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads]))
+    gathered = grouped_allgather([g.contiguous() for g in grads], name=_grad_name(name))
     return [g * factor if factor != 1.0 else g for g in gathered]
 
 
@@ -1022,27 +1044,27 @@ def _reducescatter_grads(grads: Sequence[torch.Tensor], op: ReduceOp,
 class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        ctx.name, ctx.op, ctx.scales = name, op, (prescale_factor, postscale_factor)
         return synchronize(reducescatter_async(tensor, name, op, prescale_factor=prescale_factor,
                                                postscale_factor=postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _reducescatter_grads([grad_output], ctx.op, ctx.scales)[0], None, None, None, None
+        return _reducescatter_grads([grad_output], ctx.op, ctx.scales, ctx.name)[0], None, None, None, None
 
 
 @_keeps_runtime
 class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+        ctx.name, ctx.op, ctx.scales = name, op, (prescale_factor, postscale_factor)
         return tuple(synchronize(grouped_reducescatter_async(
             tensors, name, op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor)))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None, None, None, None, *_reducescatter_grads(grad_outputs, ctx.op, ctx.scales))
+        return (None, None, None, None, *_reducescatter_grads(grad_outputs, ctx.op, ctx.scales, ctx.name))
 
 
 def _wire_form(compression, tensor: torch.Tensor, kind: str):
@@ -1138,13 +1160,13 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
+        ctx.name, ctx.root_rank = name, root_rank
         return synchronize(broadcast_async(tensor, root_rank, name))
 
     @staticmethod
     def backward(ctx, grad_output):
         # As Horovod: the output gradient averaged over the ranks (of the set), kept on root.
-        reduced = synchronize(allreduce_async(grad_output.contiguous(), op=Average))
+        reduced = allreduce(grad_output.contiguous(), name=_grad_name(ctx.name), op=Average)
         if _global_rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None
