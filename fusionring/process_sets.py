@@ -9,6 +9,7 @@ of broadcasts included; ``Average`` divides by the set's size.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -74,10 +75,14 @@ class ProcessSet:
         return ranks.index(me)
 
     def included(self) -> Optional[bool]:
-        """Whether this process is a member; None while the set is not added."""
-        if self.process_set_id is None:
-            return None
-        return _global_runtime("ProcessSet.included()").rank in self.ranks
+        """Whether this process is a member, added or not (as in Horovod); None for a set made
+        from a communicator before ``init()``."""
+        me = _global_runtime("ProcessSet.included()").rank
+        if self._ranks is None and self.mpi_comm is not None:
+            self._resolve()
+            if self._ranks is None:
+                return None
+        return me in self.ranks
 
     def __repr__(self) -> str:
         if self._ranks is None:
@@ -89,6 +94,15 @@ class ProcessSet:
 
 
 def _checked(ranks: Sequence[int]) -> List[int]:
+    try:
+        ranks = list(ranks)
+    except TypeError:
+        raise ValueError(f"ProcessSet should be made from a list of process ranks or an mpi4py "
+                         f"communicator, not {type(ranks).__name__}") from None
+    # bool is an int to Python, but never meant as a rank; 1.5 or "1" would be silently cut.
+    if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in ranks):
+        raise ValueError(f"ProcessSet should be made from a list of process ranks (integers) or "
+                         f"an mpi4py communicator, got {ranks!r}")
     ranks = [int(r) for r in ranks]
     if len(set(ranks)) != len(ranks) or not ranks:
         raise ValueError(f"a process set needs distinct ranks, got {ranks}")
@@ -236,9 +250,14 @@ def process_sets() -> List[ProcessSet]:
         return [global_process_set] + [_registered[i] for i in sorted(_registered)]
 
 
-def _release(process_set: ProcessSet, reason: Optional[str] = None) -> None:
+def _release(process_set: ProcessSet, reason: Optional[str] = None,
+             together: bool = False) -> None:
+    """Stop the set's runtime here; `together`: every member does so now (a removal), so its
+    shared memory can be freed at once rather than at exit."""
     if process_set._runtime is not None:
         process_set._runtime.shutdown(reason=reason)
+        if together:
+            process_set._runtime.free_shared_memory()
         process_set._runtime = None
     if process_set._comm is not None:
         try:
@@ -258,7 +277,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     runtime = _global_runtime("remove_process_set()")
     _release(process_set, f"process set {process_set.ranks} was removed (remove_process_set) "
-                          f"while this operation on it was pending")
+                          f"while this operation on it was pending", together=True)
     runtime.base_comm.Barrier()  # every rank has let go of the set before any adds another
     process_set.process_set_id = None
     return True

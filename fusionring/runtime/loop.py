@@ -66,6 +66,7 @@ class Runtime:
 
         self._MPI = MPI
         self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits this object
+        self._set_aside = None  # the shared-memory window left for exit by shutdown()
         warn_unless_thread_multiple(MPI)
         self.config = config or settings()
         base = comm if comm is not None else MPI.COMM_WORLD
@@ -430,11 +431,26 @@ class Runtime:
             # the window is freed at exit (MPICH over libfabric fails MPI_Finalize while one
             # is allocated), so that shutdown() itself never waits for them.
             _windows_to_close.append(shm)
+            self._set_aside = shm
         for comm in (self._control_comm, self._data_comm):
             try:
                 comm.Free()
             except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
                 pass
+
+    def free_shared_memory(self, timeout_s: float = 10.0) -> None:
+        """Free the shared-memory window this runtime set aside at shutdown now, not at exit.
+
+        Only for a shutdown every rank of the runtime makes together (``remove_process_set``):
+        the free is collective, and without it each removed set would hold its window (a few
+        MB a rank) until the process ends. Ranks that do not arrive within `timeout_s` leave
+        it to exit, as before."""
+        shm, self._set_aside = self._set_aside, None
+        if shm is None or shm not in _windows_to_close:
+            return
+        _windows_to_close.remove(shm)
+        if not shm.close(timeout_s):
+            _windows_to_close.append(shm)
 
     def start_timeline(self, path: str, mark_cycles: bool = False,
                        agree: Optional[Callable[[Optional[TimelineFailure]],
