@@ -184,8 +184,9 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
         for name, spec, age in report.pending:
             by_name.setdefault(name, {})[report.rank] = (spec, age)
     outcome = Outcome()
-    order = [name for name, _, _ in reports[0].pending] + sorted(
-        n for n in by_name if n not in {p[0] for p in reports[0].pending})
+    order = [name for name, _, _ in reports[0].pending]
+    first = set(order)  # once: thousands of names may be pending in one exchange
+    order += sorted(n for n in by_name if n not in first)
     stalled: List[Tuple[str, List[int], float]] = []
     for name in order:
         entries = by_name[name]
