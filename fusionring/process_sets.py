@@ -74,15 +74,9 @@ class ProcessSet:
                              f"in the process set with ranks {ranks}")
         return ranks.index(me)
 
-    def included(self) -> Optional[bool]:
-        """Whether this process is a member, added or not (as in Horovod); None for a set made
-        from a communicator before ``init()``."""
-        me = _global_runtime("ProcessSet.included()").rank
-        if self._ranks is None and self.mpi_comm is not None:
-            self._resolve()
-            if self._ranks is None:
-                return None
-        return me in self.ranks
+    def included(self) -> bool:
+        """Whether this process is a member, added or not (as in Horovod)."""
+        return _global_runtime("ProcessSet.included()").rank in self.ranks
 
     def __repr__(self) -> str:
         if self._ranks is None:

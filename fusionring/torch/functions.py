@@ -264,11 +264,11 @@ def synchronize(handle: int):
 
 
 # ---------------------------------------------------------------------- request building
-def _auto_number() -> int:
-    """The next number for an unnamed operation on the routed process set."""
+def _auto_number(counts: Dict[Tuple[int, ...], Iterator[int]] = _auto_names) -> int:
+    """The next number from `counts` for an unnamed operation on the routed process set."""
     runtime = _rt.current()
     ranks = tuple(runtime.global_ranks) if runtime is not None and runtime.global_ranks else ()
-    return next(_auto_names.setdefault(ranks, itertools.count()))
+    return next(counts.setdefault(ranks, itertools.count()))
 
 
 def _full_name(kind: str, name: Optional[str]) -> str:
@@ -798,7 +798,8 @@ class _CallableHandle(int):
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
-        ctx.name, ctx.dim0 = name, tensor.shape[0] if tensor.dim() else 1
+        ctx.name = name
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
         return synchronize(allgather_async(tensor, name=name))
 
     @staticmethod
@@ -1304,9 +1305,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     ``RuntimeError`` naming root and the object's type.
     """
     if name is None:
-        global_set = process_set is None or process_set._is_global()
-        ranks = () if global_set else tuple(process_set.ranks)
-        name = f"object{AUTO_NAME_MARK}{next(_object_broadcasts.setdefault(ranks, itertools.count()))}"
+        name = f"object{AUTO_NAME_MARK}{_auto_number(_object_broadcasts)}"
     base = name
     is_root = _global_rank() == root_rank
     failure: Optional[BaseException] = None
