@@ -351,6 +351,25 @@ def test_state_dict_round_trip_continues_exactly(shared):
         Compression.nm(2, 4).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("make", [lambda: Compression.nm(1, 4),
+                                  lambda: Compression.nm(1, 4, shared_mask=False),
+                                  lambda: Compression.cluster(k=4)])
+def test_a_residual_that_no_longer_fits_its_tensor_is_dropped_with_a_warning(make):
+    """A checkpoint of another model (or a name reused for another tensor) leaves residuals of
+    the wrong size: they cannot be added back, and the loss is said, naming the tensor."""
+    c = make()
+    c.compress(torch.randn(40), name="allreduce.fc.weight")
+    other = make()
+    other.load_state_dict(c.state_dict())
+    x = torch.randn(24)
+    with pytest.warns(RuntimeWarning, match=r"tensor 'allreduce.fc.weight' holds 40 values but "
+                                            r"the tensor has 24"):
+        payload, ctx = other.compress(x, name="allreduce.fc.weight")
+    expected, ectx = make().compress(x, name="allreduce.fc.weight")
+    assert torch.equal(other.decompress(payload, ctx), make().decompress(expected, ectx))
+    assert other.memory.residuals["allreduce.fc.weight"].numel() == 24
+
+
 def test_kernel_encode_is_much_faster_than_numpy():
     """A loose floor (the benchmark script measures properly): 1M floats in well under 50 ms."""
     import time

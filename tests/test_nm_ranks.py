@@ -266,6 +266,7 @@ for label, kwargs in KWARGS.items():
         "params": torch.cat([p.reshape(-1) for p in continued]).tolist(),
         "resume_exact": all(torch.equal(a, b) for a, b in zip(continued, resumed)),
         "level": list(opt._compression.level("allreduce.0.weight")),
+        "level_by_name": list(opt._compression.level("0.weight")),
     }
 report(out)
 '''
@@ -286,4 +287,5 @@ def test_distributed_optimizer_trains_agrees_across_ranks_and_resumes_exactly(tm
         assert a["resume_exact"] and b["resume_exact"], label
         assert a["last"] < 0.6 * a["first"], (label, a["first"], a["last"])
         assert a["level"] == b["level"]
+        assert a["level_by_name"] == a["level"], label   # the parameter's own name works too
     assert results[0]["scheduled"]["level"] == [1, 4]

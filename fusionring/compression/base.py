@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, ClassVar, Dict, Optional, Tuple, TypeVar
 
 import torch
@@ -251,17 +252,32 @@ class Memory:
     def __init__(self) -> None:
         self.residuals: Dict[str, torch.Tensor] = {}
 
+    def fitting(self, name: Optional[str], numel: int) -> Optional[torch.Tensor]:
+        """`name`'s residual when it holds `numel` values, else None. One of another size (from
+        a checkpoint of another model, or a name reused for another tensor) cannot be added
+        back: it is dropped with a warning, so the loss is never silent."""
+        if name is None:
+            return None
+        stored = self.residuals.get(name)
+        if stored is None or stored.numel() == numel:
+            return stored
+        del self.residuals[name]
+        warnings.warn(f"fusionring: the residual kept for tensor '{name}' holds {stored.numel()} "
+                      f"values but the tensor has {numel}; it is dropped (a checkpoint of another "
+                      f"model, or the name reused for another tensor)", RuntimeWarning, stacklevel=3)
+        return None
+
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        residual = self.residuals.get(name)
-        if residual is None or residual.shape != tensor.shape:
+        residual = self.fitting(name, tensor.numel())
+        if residual is None:
             return tensor
-        return tensor + residual.to(tensor.dtype)
+        return tensor + residual.to(tensor.dtype).reshape(tensor.shape)
 
     def compensate_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """In-place form of compensate: adds the stored residual into `tensor`; returns it."""
-        residual = self.residuals.get(name)
-        if residual is not None and residual.shape == tensor.shape:
-            tensor.add_(residual.to(device=tensor.device, dtype=tensor.dtype))
+        residual = self.fitting(name, tensor.numel())
+        if residual is not None:
+            tensor.add_(residual.to(device=tensor.device, dtype=tensor.dtype).reshape(tensor.shape))
         return tensor
 
     def update(self, name: str, residual: torch.Tensor) -> None:

@@ -226,8 +226,8 @@ class ClusterCompressor(Compressor):
             if self.error_feedback:
                 residual = torch.zeros(sub.numel(), device=sub.device)
                 for key, offset, numel in zip(keys, offsets, sizes):
-                    stored = self.memory.residuals.get(key) if key is not None else None
-                    if stored is not None and stored.numel() == numel:
+                    stored = self.memory.fitting(key, numel)
+                    if stored is not None:
                         residual[offset:offset + numel].copy_(stored.reshape(-1))
             segment = max(job.ring_segment_bytes, RING_SEGMENT_BYTES)
             if on_gpu:  # the core's ring and blocks, NCCL between hops

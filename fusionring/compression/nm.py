@@ -172,9 +172,13 @@ class NMCompressor(Compressor):
         return f"Compression.{self.name}"
 
     def level(self, name: str) -> Tuple[int, int]:
-        """The (n, m) the next reduction of tensor `name` will use."""
+        """The (n, m) the next reduction of tensor `name` will use: the name given to
+        ``allreduce`` (a parameter's name under ``DistributedOptimizer``) or the state's key
+        (``"allreduce.<name>"``, a DDP bucket's key). A tensor not reduced yet starts at the
+        first level."""
         with self._lock:
-            return self._level(self._tensors.get(name) or _TensorState())
+            state = self._tensors.get(name) or self._tensors.get(f"allreduce.{name}")
+            return self._level(state or _TensorState())
 
     def reduces_on_gpu(self, tensor: torch.Tensor) -> bool:
         """Reduce on the GPU with the CUDA kernels when every level can: per-rank masks on
@@ -380,9 +384,9 @@ class NMCompressor(Compressor):
                 x.mul_(prescale)
             residual = None
             if self.error_feedback and key is not None:
-                stored = self.memory.residuals.get(key)
-                if stored is not None and stored.shape == x.shape:
-                    x.add_(stored.to(x.device))
+                stored = self.memory.fitting(key, numel)
+                if stored is not None:
+                    x.add_(stored.to(x.device).reshape(x.shape))
                 residual = torch.empty(numel, device=x.device)
             mask = self._shared_mask(state, n, m, numel, x.device)
             if mask is None:
@@ -442,9 +446,9 @@ class NMCompressor(Compressor):
                     state.estimate, state.wait = state.estimate.cpu(), state.wait.cpu()
             stored = residual = None
             if self.error_feedback and key is not None:
-                stored = self.memory.residuals.get(key)
+                stored = self.memory.fitting(key, numel)
                 if stored is not None:
-                    stored = stored.cpu() if stored.shape == x.shape else None
+                    stored = stored.cpu().reshape(x.shape)
                 # what was held back last step is added in, then the buffer holds this step's
                 residual = stored if stored is not None else torch.empty(numel)
             seg = _Segment(key, state, x, n, m, mask, stored, residual)
@@ -541,9 +545,9 @@ class NMCompressor(Compressor):
         if self.error_feedback:
             residual = torch.empty(sub.numel(), device=sub.device)
             for key, offset, numel in zip(keys, offsets, sizes):
-                stored = self.memory.residuals.get(key) if key is not None else None
+                stored = self.memory.fitting(key, numel)
                 part = residual[offset:offset + numel]
-                if stored is not None and stored.numel() == numel:
+                if stored is not None:
                     part.copy_(stored.reshape(-1))
                 else:
                     part.zero_()
