@@ -326,3 +326,28 @@ def test_ranks_with_different_hook_settings_are_told_on_every_rank(tmp_path):
             assert "rank 2: " in out[name] and differing in out[name], out[name]
             assert "ranks 0, 1: " in out[name], out[name]
         assert out["seed"] is None and out["after"] == 3.0
+
+
+ONE_RANK_HOOKED = r'''
+from fusionring.ddp.cluster import ClusterState, cluster_hook
+torch.manual_seed(0)
+ddp = DDP(torch.nn.Sequential(torch.nn.Linear(7, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)))
+if rank == 0:
+    ddp.register_comm_hook(*{"nm": (hooks.NMState(), hooks.nm_hook),
+                             "cluster": (ClusterState(), cluster_hook)}[KIND])
+for _ in range(3):
+    ddp(torch.randn(4, 7)).sum().backward()
+report({})
+finish()
+'''
+
+
+@pytest.mark.parametrize("kind", ["nm", "cluster"])
+def test_a_hook_registered_on_one_rank_only_fails_at_once_instead_of_hanging(tmp_path, kind):
+    """The other rank runs DDP's own allreduce of the bucket: the settings handshake must be a
+    collective that gloo can tell apart from it (an all_gather waited out the group's timeout,
+    30 minutes by default), as torch's own hooks registered on one rank are."""
+    results, code, output = run_ranks(2, RANK_PRELUDE + f"KIND = {kind!r}\n" + ONE_RANK_HOOKED,
+                                      tmp_path, timeout=60, expect_failure=True)
+    assert code != 0 and results == [None, None], output[-3000:]
+    assert "collective mismatch" in output or "Connection reset by peer" in output, output[-3000:]

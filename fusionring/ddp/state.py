@@ -93,10 +93,13 @@ class HookState:
         settings = f"{type(self).__name__}(" + ", ".join(
             f"{key}={value!r}" for key, value in sorted(self.shared_settings().items())) + ")"
         digest = zlib.crc32(settings.encode())
-        mine = torch.tensor([digest], dtype=torch.int64, device=bucket.buffer().device)
-        everyone = [torch.empty_like(mine) for _ in range(group.size())]
-        dist.all_gather(everyone, mine, group=group)
-        if len({int(t.item()) for t in everyone}) > 1:
+        # An allreduce, not an all_gather: a rank without this hook runs DDP's own allreduce of
+        # the bucket at this point, and two allreduces of different sizes fail on every rank
+        # ("Received data size doesn't match expected size") where an all_gather paired with an
+        # allreduce waits until the group's timeout. max(d) == -max(-d) when every rank agrees.
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=bucket.buffer().device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        if int(extremes[0]) != -int(extremes[1]):
             described: List[Any] = [None] * group.size()
             dist.all_gather_object(described, settings, group=group)
             by_setting: Dict[str, List[int]] = {}
