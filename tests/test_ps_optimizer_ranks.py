@@ -83,3 +83,29 @@ def test_bsp_server_steps_the_wrapped_optimizer_as_one_process_would(tmp_path, c
         if scheduled:
             # the workers' schedule reached the server: without it the parameters would be elsewhere
             assert r["flat_diff"] > 1e-3 and abs(r["lr"] - 0.2 * 0.3 ** 3) < 1e-8, r  # float32 for the tensor lr
+
+
+DIFFERING_LR = r'''
+import torch
+from fusionring import ps
+ps.init(num_servers=1)
+k = ps.worker_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1, bias=False)
+opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 if k == 0 else 0.5),
+                              named_parameters=model.named_parameters(), sync="bsp")
+initial = model.weight.detach().clone()
+for _ in range(3):
+    opt.zero_grad(); model(torch.ones(1, 3)).sum().backward(); opt.step()
+ps.shutdown()
+report({"moved": (model.weight.detach() - initial).tolist()})
+'''
+
+
+def test_workers_with_different_hyper_parameters_are_warned_about(tmp_path):
+    results, code, output = run_ranks(3, DIFFERING_LR, tmp_path, timeout=90, expect_failure=True)
+    assert code == 0, output[-3000:]
+    assert "different hyper-parameters: worker 1 group 0 lr=0.5 (worker 0: 0.1)" in output, output[-3000:]
+    # bsp steps with the round's highest-numbered worker's lr: 3 steps of gradient 1 at lr 0.5
+    for worker in results[1:]:
+        assert worker["moved"][0] == pytest.approx([-1.5, -1.5, -1.5], abs=1e-6), results

@@ -19,6 +19,7 @@ import io
 import os
 import sys
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
@@ -47,6 +48,23 @@ def numeric_hyper(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(_number(v) for v in value)
     return _number(value)
+
+
+def _warn_on_differing_hyper(hellos: Dict[int, dict]) -> None:
+    """Workers whose optimizers start with other hyper-parameters than worker 0's are allowed (the server
+    follows the pushes), but a typo there would otherwise show only as a model that trains oddly."""
+    ref = hellos[min(hellos)]
+    differing = []
+    for k in sorted(hellos):
+        for index, (mine, theirs) in enumerate(zip(hellos[k]["groups"], ref["groups"])):
+            keys = sorted(key for key, value in mine["hyper"].items()
+                          if numeric_hyper(value) and repr(value) != repr(theirs["hyper"].get(key)))
+            differing += [f"worker {k} group {index} {key}={mine['hyper'][key]!r} "
+                          f"(worker {min(hellos)}: {theirs['hyper'].get(key)!r})" for key in keys]
+    if differing:
+        warnings.warn("fusionring.ps: the workers' optimizers have different hyper-parameters: "
+                      + "; ".join(differing) + ". The server steps with those of the push that completes each "
+                      "update (under bsp, the round's highest-numbered worker's)", RuntimeWarning, stacklevel=2)
 
 
 def set_hyper(group: dict, hyper: dict) -> None:
@@ -301,6 +319,8 @@ class Server:
             for key in ("sync", "staleness", "slack", "optimizer"):
                 if hellos[k][key] != ref[key]:
                     self._fail(ValueError(f"{key}: worker 0 has {ref[key]!r}, worker {k} has {hellos[k][key]!r}"))
+        if self.rank == 0:
+            _warn_on_differing_hyper(hellos)
         self.sync = ref["sync"]
         self.policy = make_policy(ref["sync"], self.num_workers, ref["staleness"], ref["slack"])
         model = ref["model"]
