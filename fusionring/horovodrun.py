@@ -67,7 +67,6 @@ SETTINGS: Dict[str, Tuple[str, Callable[[str], str]]] = {
 SWITCHES: Dict[str, Dict[str, str]] = {
     "--timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "1"},
     "--no-timeline-mark-cycles": {"FUSIONRING_TIMELINE_MARK_CYCLES": "0"},
-    "--disable-cache": {"FUSIONRING_CACHE_CAPACITY": "0"},
 }
 
 # horovodrun's on/off pairs whose effect depends on other options: option -> (what it turns,
@@ -113,6 +112,8 @@ _HIERARCHICAL = "fusionring's ring spans all ranks; it has no hierarchical mode"
 NO_EFFECT: Dict[str, Tuple[int, str]] = {
     "--mpi": (0, ""),
     "--start-timeout": (1, "fusionrun makes no checks of its own before mpiexec starts the ranks"),
+    # horovodrun's flag stops it caching its own start-up checks; the response cache stays on
+    "--disable-cache": (0, ""),
     "--hierarchical-allreduce": (0, _HIERARCHICAL),
     "--no-hierarchical-allreduce": (0, ""),
     "--hierarchical-allgather": (0, _HIERARCHICAL),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -175,7 +176,20 @@ def _take_value(argv: Sequence[str], i: int, name: str, inline: Optional[str]) -
         return inline, i + 1
     if i + 1 >= len(argv):
         raise LaunchError(f"{name} needs a value")
+    _check_value(argv[i + 1], name)
     return argv[i + 1], i + 2
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _check_value(word: str, name: str) -> None:
+    """Refuse an option where `name`'s value should be, as horovodrun's argparse does (a word
+    with a space, or a negative number, is a value): otherwise `--timeline-filename --dry-run`
+    would run the job and write its timeline to a file named ``--dry-run``."""
+    if word.startswith("-") and word != "-" and " " not in word and not _NEGATIVE_NUMBER.match(word):
+        raise LaunchError(f"{name} expected a value, got the option {word!r} "
+                          f"(write {name}={word} for a value that starts with '-')")
 
 
 def _positive_int(value: str, name: str) -> int:
@@ -310,6 +324,8 @@ def _skip_values(argv: Sequence[str], i: int, name: str, inline: Optional[str], 
         return i + 1
     if i + arity >= len(argv):
         raise LaunchError(f"{name} needs {arity} value(s)")
+    for word in argv[i + 1:i + 1 + arity]:
+        _check_value(word, name)
     return i + 1 + arity
 
 
@@ -403,7 +419,7 @@ def _print_help() -> int:
           "  --hostfile FILE              one host per line: HOST slots=N (or HOST:N)\n"
           "  --fusion-threshold-mb MB     FUSIONRING_FUSION_THRESHOLD (in bytes)\n"
           "  --cycle-time-ms MS           FUSIONRING_CYCLE_TIME_MS\n"
-          "  --cache-capacity N, --disable-cache  FUSIONRING_CACHE_CAPACITY (N, or 0)\n"
+          "  --cache-capacity N                FUSIONRING_CACHE_CAPACITY\n"
           "  --timeline-filename PATH     FUSIONRING_TIMELINE (rank 0 creates missing directories)\n"
           "  --[no-]timeline-mark-cycles  FUSIONRING_TIMELINE_MARK_CYCLES=1/0 (off unless given)\n"
           "  --stall-check-warning-time-seconds S, --stall-check-shutdown-time-seconds S,\n"

@@ -378,3 +378,36 @@ def test_mismatch_raises_on_every_rank_and_library_keeps_working(results):
         assert out["bytes_sent_grew"] is True
     for key in [k for k in results[0] if k.startswith("mm_")]:
         assert len({out[key] for out in results}) == 1  # the same message on every rank
+
+
+BYTES_SENT = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r, P = hvd.rank(), hvd.size()
+
+def sent(run):
+    before = hvd.communication_stats()["bytes_sent"]
+    run()
+    return hvd.communication_stats()["bytes_sent"] - before
+
+out = {
+    "allreduce": sent(lambda: hvd.allreduce(torch.ones(1 << 18), name="ar")),
+    "allgather": sent(lambda: hvd.allgather(torch.ones(r + 1, 1024), name="ag")),
+    "broadcast": sent(lambda: hvd.broadcast(torch.ones(1024), root_rank=1, name="bc")),
+    "alltoall": sent(lambda: hvd.alltoall(torch.ones(2 * P, 256), name="a2a")),
+}
+report(out)
+hvd.shutdown()
+'''
+
+
+def test_bytes_sent_counts_what_each_collective_sends_to_other_ranks(tmp_path):
+    """One definition throughout: a rank's own part never counts, a broadcast counts once, at
+    its root (allgather counted the rank's own rows, broadcast counted on every rank)."""
+    P = 3
+    for r, out in enumerate(run_ranks(P, BYTES_SENT, tmp_path)):
+        assert out["allreduce"] == 4 * (1 << 18) * 2 * (P - 1) // P, out
+        assert out["allgather"] == 4 * 1024 * (sum(range(1, P + 1)) - (r + 1)), out
+        assert out["broadcast"] == (4 * 1024 if r == 1 else 0), out
+        assert out["alltoall"] == 4 * 256 * 2 * (P - 1), out

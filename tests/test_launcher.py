@@ -452,6 +452,8 @@ def test_the_ssh_wrapper_hands_port_and_identity_to_ssh(tmp_path, monkeypatch):
     (["--log-level", "DEBUG"], "no log levels"),
     (["--num-nccl-streams", "2"], "one CUDA stream per process set"),
     (["--mpi", "--log-without-timestamp", "--stall-check"], None),
+    # horovodrun's --disable-cache only stops it caching its own start-up checks
+    (["--disable-cache"], None),
 ])
 def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpiexec, option, note):
     mpich = fake_mpiexec(MPICH_VERSION)
@@ -466,7 +468,6 @@ def test_horovodrun_options_for_parts_fusionring_lacks_run_with_a_note(fake_mpie
 
 @pytest.mark.parametrize("option, variable", [
     (["--cache-capacity", "512"], "FUSIONRING_CACHE_CAPACITY=512"),
-    (["--disable-cache"], "FUSIONRING_CACHE_CAPACITY=0"),
 ])
 def test_horovodrun_cache_options_size_the_negotiation_cache(fake_mpiexec, option, variable):
     mpich = fake_mpiexec(MPICH_VERSION)
@@ -603,3 +604,25 @@ def test_horovodrun_launch_options_in_a_real_run(tmp_path):
     for rank in range(2):
         assert (logs / f"rank.{rank}" / "stdout").read_text() == "sum [2.0, 2.0, 2.0, 2.0]\n"
         assert f"rank {rank}" in (logs / f"rank.{rank}" / "stderr").read_text()
+
+
+@pytest.mark.parametrize("option", [["--timeline-filename", "--dry-run"], ["--log-level", "--dry-run"],
+                                    ["-np", "--verbose"], ["--autotune-log-file", "-x"]])
+def test_an_option_where_a_value_belongs_is_refused_as_horovodrun_refuses_it(fake_mpiexec, option):
+    """Taken as the value, `--timeline-filename --dry-run` ran the job and wrote a timeline named
+    '--dry-run'."""
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "-np", "2", *option, "python", "t.py")
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert f"{option[0]} expected a value, got the option {option[1]!r}" in done.stderr, done.stderr
+
+
+def test_values_that_start_with_a_dash_but_are_values_are_taken(fake_mpiexec):
+    mpich = fake_mpiexec(MPICH_VERSION)
+    done = fusionrun("--mpiexec", mpich, "--dry-run", "-np", "2", "--mpi-args", "-genv A 1",
+                     "--timeline-filename=-odd.json", "python", "t.py")
+    assert done.returncode == 0, done.stderr
+    assert "FUSIONRING_TIMELINE=-odd.json" in done.stdout and "-genv A 1" in done.stdout, done.stdout
+    negative = fusionrun("--mpiexec", mpich, "--dry-run", "-np", "2", "--cycle-time-ms", "-1",
+                         "python", "t.py")
+    assert negative.returncode == 2 and "expected a value" not in negative.stderr, negative.stderr

@@ -234,7 +234,18 @@ for what, build in [
         ("fraction", lambda: hvd.LayerSelection.norm(0.0)),
         ("no_params", lambda: hvd.DistributedOptimizer(
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
-            layer_selection=hvd.LayerSelection.hyper(torch.nn.ReLU())))]:
+            layer_selection=hvd.LayerSelection.hyper(torch.nn.ReLU()))),
+        # without names every parameter was one layer (param.0.I): all of it travelled
+        ("unnamed", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), layer_selection=hvd.LayerSelection.norm(0.5))),
+        # Adasum's local steps run in hooks, which selection does not register: nothing moved
+        ("adasum", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            op=hvd.Adasum, layer_selection=hvd.LayerSelection.norm(0.5))),
+        ("add_param_group", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            layer_selection=hvd.LayerSelection.norm(0.5)).add_param_group(
+                {"params": list(other.parameters())}))]:
     try:
         build()
         out[what] = "no error"
@@ -252,6 +263,9 @@ def test_bad_input_raises_value_error_naming_it_on_every_rank(tmp_path):
         assert "does not have" in r["not_in_model"] and "param.0.8" in r["not_in_model"]
         assert "fraction=0.0" in r["fraction"]
         assert "no parameters" in r["no_params"]
+        assert "without named_parameters= there are none" in r["unnamed"]
+        assert "op=Adasum is not supported" in r["adasum"]
+        assert "cannot take parameters after it is built" in r["add_param_group"]
 
 
 SAME_BATCHES = r'''
@@ -359,3 +373,34 @@ def test_a_resumed_run_with_per_rank_masks_continues_bit_for_bit(tmp_path, comp)
     run_ranks(2, RESUME, tmp_path / "first", timeout=120, env=dict(env, MODE="first"))
     resumed = run_ranks(2, RESUME, tmp_path / "second", timeout=120, env=dict(env, MODE="second"))
     assert resumed == full
+
+
+SUM_OP = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+rank = hvd.rank()
+torch.set_default_dtype(torch.float64)
+
+def run(selection):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Sum,
+                                   layer_selection=selection)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        opt.zero_grad()
+        model(torch.randn(5, 4, generator=g)).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+dense, selected = run(None), run(hvd.LayerSelection.norm(1.0))
+report({"diff": (dense - selected).abs().max().item(), "dense_repeat": (dense - run(None)).abs().max().item()})
+'''
+
+
+def test_op_sum_with_every_layer_selected_equals_dense_sum(tmp_path):
+    """Layer selection averaged whatever op was given: op=Sum moved the parameters half as far."""
+    for r in run_ranks(2, SUM_OP, tmp_path, timeout=120):
+        assert r["diff"] < 1e-12 and r["dense_repeat"] == 0.0, r

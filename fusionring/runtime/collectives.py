@@ -30,7 +30,9 @@ class MpiCollectives:
     def allgather(self, requests: List[Request]) -> None:
         request = requests[0]
         request.output = self._gather(request.tensor, request.ready_info.first_dims)
-        self._rt.stats.bytes_sent += request.output.numel() * request.output.element_size()
+        # what a ring sends: every rank's rows but this rank's own, which it only keeps
+        own = request.tensor.numel() * request.tensor.element_size()
+        self._rt.stats.bytes_sent += request.output.numel() * request.output.element_size() - own
 
     def _gather(self, tensor: torch.Tensor, dims: List[int]) -> torch.Tensor:
         """Every rank's rows of `tensor` (rank r has dims[r] of them), concatenated."""
@@ -128,7 +130,8 @@ class MpiCollectives:
         request = requests[0]
         if request.output.numel():
             self._rt._data_comm.Bcast([byte_view(request.output), self._rt._MPI.BYTE], root=request.root)
-        self._rt.stats.bytes_sent += request.nbytes
+        if self._rt.rank == request.root:  # the data leaves the root once; MPI's forwarding is its own
+            self._rt.stats.bytes_sent += request.nbytes
 
     def barrier(self, requests: List[Request]) -> None:
         self._rt._data_comm.Barrier()

@@ -57,7 +57,8 @@ class NcclCollectives:
     def broadcast(self, requests: List[Request]) -> None:
         request = requests[0]
         self._run(request, lambda t: t.broadcast_bytes(_bytes(request.output), request.root))
-        self._rt.stats.bytes_sent += request.nbytes
+        if self._rt.rank == request.root:  # counted as on the CPU path: once, at the root
+            self._rt.stats.bytes_sent += request.nbytes
 
     def allgather(self, requests: List[Request]) -> None:
         request = requests[0]

@@ -19,8 +19,9 @@ from . import functions as F
 
 
 def reduce_selected(selection, params: List[torch.Tensor], compression=Compression.none,
-                    process_set=None) -> List[int]:
-    """Run one selected reduction over ``params``; returns the chosen layer indices."""
+                    process_set=None, op=F.Average) -> List[int]:
+    """Run one selected reduction over ``params`` with ``op`` (Average or Sum); returns the chosen
+    layer indices."""
     acc = selection.acc
     names = selection.names()
     by_name = {names[id(p)]: p for p in params}
@@ -39,7 +40,7 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
     for n in sent:  # a 16-bit layer's float32 sum travels in its own dtype
         summed[n] = summed[n].to(by_name[n].dtype)
     if multi and sent:
-        _reduce(sent, summed, compression, process_set)
+        _reduce(sent, summed, compression, process_set, op)
     for n in sent:
         p = by_name[n]
         p.grad = summed[n].view_as(p).to(p.dtype)
@@ -51,8 +52,9 @@ def reduce_selected(selection, params: List[torch.Tensor], compression=Compressi
     return chosen
 
 
-def _reduce(sent: List[str], summed, compression, process_set) -> None:
-    """Average the chosen gradients in place of ``summed``, as one group of requests.
+def _reduce(sent: List[str], summed, compression, process_set, op=F.Average) -> None:
+    """Reduce (``op``: Average or Sum) the chosen gradients in place of ``summed``, as one group of
+    requests.
 
     Each parameter keeps its own name on the wire (``layer_selection.<name>``) rather than one
     buffer of a layout that changes every step: a compressor's residual (N:M, the cluster
@@ -68,14 +70,14 @@ def _reduce(sent: List[str], summed, compression, process_set) -> None:
     names = [f"layer_selection.{n}" for n in sent]
     if capabilities(compression).in_runtime:
         F.synchronize(F._grouped_allreduce_named_async_(
-            [summed[n] for n in sent], names, op=F.Average, compression=compression,
+            [summed[n] for n in sent], names, op=op, compression=compression,
             process_set=process_set))
         return
     encoded = [compression.compress(summed[n]) for n in sent]
     for (payload, _), name in zip(encoded, names):
         F.check_summable(compression, payload, name)
     payloads = [payload for payload, _ in encoded]
-    F.synchronize(F._grouped_allreduce_named_async_(payloads, names, op=F.Average,
+    F.synchronize(F._grouped_allreduce_named_async_(payloads, names, op=op,
                                                     process_set=process_set))
     for (payload, ctx), n in zip(encoded, sent):
         summed[n] = compression.decompress(payload, ctx)

@@ -225,6 +225,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # no per-gradient hooks are registered.
         self._selection = layer_selection
         if layer_selection is not None:
+            if self._adasum:  # Adasum's per-parameter local steps run in hooks, which selection has none of
+                raise ValueError("layer_selection: op=Adasum is not supported with layer selection; use "
+                                 "op=Average or op=Sum")
+            if named_parameters is None and not layer_selection.layers:
+                # every name would be param.<group>.<index>: one layer per param group, so it all travels
+                raise ValueError("layer_selection: the layers are read from the parameters' names "
+                                 "(module.parameter), and without named_parameters= there are none; pass "
+                                 "named_parameters=model.named_parameters(), or give the selector the model "
+                                 "(for example LayerSelection.norm(0.25, model=model))")
             layer_selection.attach([(self._parameter_names[p], p) for p in self._requires_update])
         elif self._size > 1:
             self._register_hooks()
@@ -606,7 +615,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._selection is not None and not self._outside_set:
             from .layer_sync import reduce_selected
             reduce_selected(self._selection, self._requires_update, self._compression,
-                            self._process_set)
+                            self._process_set, op=self._op)
             self._synchronized = True
             return
         if self._size == 1:
@@ -845,7 +854,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               if key in mine})
         if foreign and not broadcast and (compression is not None or selection is not None):
             warnings.warn(f"DistributedOptimizer on rank {F.rank()}: the state was saved by rank "
-                          f"{saver}, and residuals are each rank's own; this rank keeps its own "
+                          f"{saver}, and residuals (and a layer selection's state) are each rank's "
+                          f"own; this rank keeps its own "
                           f"(save optimizer.state_dict() on every rank and load each rank's own "
                           f"to resume them)", stacklevel=3)
         if compression is not None:
@@ -856,6 +866,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if not self.__dict__.get("_wrapping"):  # called by Optimizer.__init__ itself
             return super().add_param_group(param_group)
+        if self._selection is not None:  # its layers were learned when the optimizer was built
+            raise ValueError("add_param_group: a DistributedOptimizer with layer_selection cannot take "
+                             "parameters after it is built; give every param group to the optimizer "
+                             "it wraps before wrapping it")
         self._optimizer.add_param_group(param_group)
         for p in param_group["params"] if isinstance(param_group["params"], list) else []:
             if p.requires_grad and p not in self._allreduce_delay:
