@@ -737,3 +737,46 @@ def test_a_collective_in_a_forked_data_loader_worker_is_refused_naming_the_fork(
         assert len(r["errors"]) == 2 and r["after"] == 2.0, r
         for error in r["errors"]:
             assert f"was forked from rank {rank}" in error and "DataLoader worker" in error, r
+
+
+ONE_BAD_CALL = r'''
+import time, numpy as np, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+x = torch.ones(4)
+bad = {
+    "op": lambda name: hvd.allreduce(x, name=name, op=42 if r == 1 else hvd.Sum),
+    "numpy": lambda name: hvd.allreduce(np.ones(4, np.float32) if r == 1 else x, name=name),
+}
+out = {}
+for case, call in bad.items():
+    for name in ("b." + case, None):       # an unnamed call draws the same number everywhere
+        started = time.monotonic()
+        try:
+            call(name)
+            out[f"{case}.{name}"] = "no error"
+        except Exception as exc:          # noqa: BLE001
+            out[f"{case}.{name}"] = f"{type(exc).__name__}: {exc}"
+        out[f"{case}.{name}.s"] = time.monotonic() - started
+out["after"] = hvd.allreduce(torch.ones(2), name="after", op=hvd.Sum).tolist()
+report(out)
+'''
+
+
+def test_a_bad_argument_on_one_rank_fails_the_others_at_once(tmp_path):
+    """A bad op or a non-tensor on one rank raised there before a request
+    existed: the other ranks waited on the name until the stall limit (with one set, the library
+    then refused every later collective)."""
+    results = run_ranks(3, ONE_BAD_CALL, tmp_path, timeout=90,
+                        env={"FUSIONRING_STALL_SHUTDOWN_S": "20"})
+    for r, out in enumerate(results):
+        for case in ("op", "numpy"):
+            for name in ("b." + case, "None"):
+                message = out[f"{case}.{name}"]
+                assert out[f"{case}.{name}.s"] < 10, (case, name, out)
+                if r == 1:
+                    assert message.startswith(("ValueError", "TypeError")), message
+                else:
+                    assert message.startswith("TensorMismatchError") and "on rank 1" in message, message
+        assert out["after"] == [3.0, 3.0]

@@ -547,17 +547,26 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
     op: Average (default), Sum, Min, Max or Product. `compression` encodes the tensor
     for the wire (Compression.fp16 sends float16).
     """
-    reduce_op = resolve_op(op, average)
-    compression = _compressor(compression)
+    try:
+        reduce_op = resolve_op(op, average)
+        compression = _compressor(compression)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{_described('allreduce', name)}: the tensor must be a torch.Tensor, "
+                            f"not {type(tensor).__name__}")
+        if not capabilities(compression).in_runtime:
+            started = time.perf_counter()
+            tensor_compressed, ctx = compress_named(compression, tensor, name)
+            trace_compression(compression, name, "compress", started)
+            check_summable(compression, tensor_compressed, name)
+    except _REFUSALS as exc:
+        # Refused under the name the other ranks submit, so they fail at once, not at a stall.
+        _refuse("allreduce", [_full_name("allreduce", name)], exc)
+        raise
     if capabilities(compression).in_runtime:  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
                                             prescale_factor=prescale_factor,
                                             postscale_factor=postscale_factor,
                                             compression=compression))
-    started = time.perf_counter()
-    tensor_compressed, ctx = compress_named(compression, tensor, name)
-    trace_compression(compression, name, "compress", started)
-    check_summable(compression, tensor_compressed, name)
     if isinstance(tensor_compressed, torch.Tensor):
         if _needs_grad(tensor_compressed):
             summed = _AllreduceFunction.apply(tensor_compressed, name, reduce_op,
