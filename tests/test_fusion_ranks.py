@@ -687,3 +687,33 @@ def test_threshold_fusion_reduces_gradients_where_they_lie(tmp_path):
         assert b["storages"][1] == 6
         assert a["packed"][0] > 0 and a["packed"][1:3] == [0, 0], a["packed"]
         assert sum(b["packed"][1:]) > 0, b["packed"]  # what a cycle fuses is packed
+
+
+HOROVOD_GROUPS = r'''
+import torch
+import fusionring.torch as hvd
+from fusionring import state as runtime
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(3)])
+p = list(model.parameters())
+out = {}
+for case, groups in (("int", 4), ("list", [[p[0], p[1]], [p[4], p[5]]])):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=groups)
+    out[case] = [list(g) for g in runtime.get().scheduler.groups]
+    hvd.shutdown()
+    hvd.init()
+report(out)
+'''
+
+
+def test_groups_are_formed_as_horovod_forms_them(tmp_path):
+    """groups=4 over 6 parameters: Horovod's split_list gives 2, 2, 1, 1 (rounding gave 2, 1, 1, 2);
+    groups as lists: a parameter in no list is a group of its own (it was left to threshold
+    fusion, fused with whatever was ready)."""
+    for out in run_ranks(2, HOROVOD_GROUPS, tmp_path, timeout=60):
+        members = {case: [g[0].split("[", 1)[1].rstrip("]") for g in groups]
+                   for case, groups in out.items()}
+        assert members["int"] == ["0.weight..0.bias", "1.weight..1.bias", "2.weight", "2.bias"]
+        assert members["list"] == ["0.weight..0.bias", "2.weight..2.bias", "1.weight", "1.bias"]

@@ -244,13 +244,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _fusion_groups(self, groups, grouping_plan, named_parameters) -> Optional[List[List[str]]]:
         if groups is not None and grouping_plan is not None:
-            raise ValueError("pass either groups or grouping_plan, not both")
+            raise ValueError("pass either groups (or num_groups) or grouping_plan, not both")
         full = lambda p: f"allreduce.{self._tensor_name(p)}"  # noqa: E731 - the wire name
         if isinstance(groups, int):
             if groups < 1:
                 raise ValueError("groups must be a positive int or a list of parameter lists")
+            # Horovod's split: the first len % groups groups take one parameter more
             params = self._requires_update
-            bounds = [round(i * len(params) / groups) for i in range(groups + 1)]
+            d, r = divmod(len(params), groups)
+            bounds = [i * d + min(i, r) for i in range(groups + 1)]
             return [[full(p) for p in params[a:b]] for a, b in zip(bounds, bounds[1:]) if b > a]
         if groups is not None:
             # As Horovod: a listed parameter without a gradient to reduce (frozen, or not in
@@ -264,6 +266,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 members = [full(p) for p in group if p in known]
                 if members:
                     out.append(members)
+            # As Horovod: a parameter in no list is a group of its own
+            listed = {id(p) for group in groups for p in group}
+            out += [[full(p)] for p in self._requires_update if id(p) not in listed]
             return out
         source = grouping_plan if grouping_plan is not None else settings().grouping_plan_path
         if source is None:
