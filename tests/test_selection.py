@@ -1,4 +1,5 @@
 """Layer selection's shared part, single process: layers, counts, the agreed top k, error feedback."""
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,16 @@ def test_model_without_parameters_is_refused():
 def test_fraction_outside_unit_interval_is_refused_by_name(fraction):
     with pytest.raises(ValueError, match="fraction"):
         how_many(8, fraction, None)
+
+
+def test_a_fraction_or_seed_of_another_type_is_refused_by_name():
+    """A string fraction was read as a number; a string seed failed in int() naming nothing."""
+    from fusionring.selection import LayerSelection
+    with pytest.raises(ValueError, match=r"fraction='0.5' must be a number in \(0, 1\]"):
+        LayerSelection.norm("0.5")
+    with pytest.raises(ValueError, match="seed='x' must be an integer"):
+        LayerSelection.random(0.5, seed="x")
+    assert LayerSelection.random(0.5, seed=np.int64(3)).seed == 3
 
 
 def test_count_from_fraction_or_k():

@@ -37,8 +37,9 @@ class LayerSelector:
         if (fraction is None) == (k is None):
             raise ValueError(f"layer_selection: give exactly one of fraction= or k= (got "
                              f"fraction={fraction!r}, k={k!r})")
-        if fraction is not None and not 0.0 < float(fraction) <= 1.0:
-            raise ValueError(f"layer_selection: fraction={fraction} must lie in (0, 1]")
+        if fraction is not None and (isinstance(fraction, (str, bytes, bool))
+                                     or not 0.0 < float(fraction) <= 1.0):
+            raise ValueError(f"layer_selection: fraction={fraction!r} must be a number in (0, 1]")
         if k is not None and _count(k) < 1:
             raise ValueError(f"layer_selection: k={k!r} must be an integer >= 1")
         if max_wait is not None and _count(max_wait) < 1:
