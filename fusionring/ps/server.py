@@ -53,14 +53,14 @@ def numeric_hyper(value: Any) -> bool:
 def _warn_on_differing_hyper(hellos: Dict[int, dict]) -> None:
     """Workers whose optimizers start with other hyper-parameters than worker 0's are allowed (the server
     follows the pushes), but a typo there would otherwise show only as a model that trains oddly."""
-    ref = hellos[min(hellos)]
+    first, *others = sorted(hellos)
     differing = []
-    for k in sorted(hellos):
-        for index, (mine, theirs) in enumerate(zip(hellos[k]["groups"], ref["groups"])):
+    for k in others:
+        for index, (mine, theirs) in enumerate(zip(hellos[k]["groups"], hellos[first]["groups"])):
             keys = sorted(key for key, value in mine["hyper"].items()
                           if numeric_hyper(value) and repr(value) != repr(theirs["hyper"].get(key)))
             differing += [f"worker {k} group {index} {key}={mine['hyper'][key]!r} "
-                          f"(worker {min(hellos)}: {theirs['hyper'].get(key)!r})" for key in keys]
+                          f"(worker {first}: {theirs['hyper'].get(key)!r})" for key in keys]
     if differing:
         warnings.warn("fusionring.ps: the workers' optimizers have different hyper-parameters: "
                       + "; ".join(differing) + ". The server steps with those of the push that completes each "

@@ -1,22 +1,18 @@
 """Baseline: k layers drawn at random; every rank draws the same from the same seed."""
 from __future__ import annotations
 
-import operator
 from typing import Dict, List, Optional
 
 import torch
 
-from .selector import LayerSelector
+from .selector import LayerSelector, integer
 
 
 class RandomSelector(LayerSelector):
     def __init__(self, fraction: Optional[float] = None, k: Optional[int] = None, seed: int = 0,
                  max_wait: Optional[int] = None, model: Optional[torch.nn.Module] = None,
                  warmup_steps: int = 0) -> None:
-        try:
-            self.seed = operator.index(seed) if not isinstance(seed, bool) else None
-        except TypeError:
-            self.seed = None
+        self.seed = integer(seed)
         if self.seed is None:
             raise ValueError(f"layer_selection: seed={seed!r} must be an integer")
         self.generator = torch.Generator().manual_seed(self.seed)

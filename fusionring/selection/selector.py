@@ -9,12 +9,18 @@ import torch
 from .base import Accumulator, how_many, layers_of, top_k
 
 
-def _count(value) -> int:
-    """`value` as an int, or -1 when it is no integer (a bool, a float, a string)."""
+def integer(value) -> Optional[int]:
+    """`value` as an int, or None when it is no integer (a bool, a float, a string)."""
     try:
-        return -1 if isinstance(value, bool) else operator.index(value)
+        return None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        return -1
+        return None
+
+
+def _count(value) -> int:
+    """`value` as an int, or -1 when it is no integer."""
+    number = integer(value)
+    return -1 if number is None else number
 
 
 class LayerSelector:

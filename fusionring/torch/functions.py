@@ -553,7 +553,8 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{_described('allreduce', name)}: the tensor must be a torch.Tensor, "
                             f"not {type(tensor).__name__}")
-        if not capabilities(compression).in_runtime:
+        in_runtime = capabilities(compression).in_runtime
+        if not in_runtime:
             started = time.perf_counter()
             tensor_compressed, ctx = compress_named(compression, tensor, name)
             trace_compression(compression, name, "compress", started)
@@ -562,7 +563,7 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
         # Refused under the name the other ranks submit, so they fail at once, not at a stall.
         _refuse("allreduce", [_full_name("allreduce", name)], exc)
         raise
-    if capabilities(compression).in_runtime:  # e.g. Compression.nm: reduced in the runtime
+    if in_runtime:  # e.g. Compression.nm: reduced in the runtime
         return synchronize(allreduce_async_(tensor.detach().clone(), name=name, op=reduce_op,
                                             prescale_factor=prescale_factor,
                                             postscale_factor=postscale_factor,
