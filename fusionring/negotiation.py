@@ -105,6 +105,8 @@ class Outcome:
 def display_name(name: str) -> str:
     """"allreduce.layer1.weight" -> "allreduce 'layer1.weight'" for messages."""
     kind, _, rest = name.partition(".")
+    if name == "barrier":  # a barrier's name is its kind
+        return name
     return f"{kind} '{rest}'" if rest else f"'{name}'"
 
 
@@ -218,6 +220,8 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
         first_dims = ([_first_dim(entries[r][0]) for r in range(size)]
                       if specs[0].kind == "allgather" else None)
         outcome.ready.append(Ready(name, first_dims, specs[0]))
+    # Inside a process set, which set: its rank 1 and the job's rank 1 are different ranks.
+    where = f" in the process set of {_ranks_text(global_ranks)}" if global_ranks else ""
     if stalled and stall_warning_s is not None:
         late = [(n, m, a) for n, m, a in stalled if a >= stall_warning_s]
         if late:
@@ -225,8 +229,8 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
                      for n, m, a in late]
             lines += [f"  {clash}" for clash in _operation_clashes(late, by_name, global_ranks)]
             outcome.stall_warning = (
-                "fusionring: some tensors were submitted by a subset of ranks and are waiting "
-                "for the rest (a rank may be stuck, or ranks run different code paths):\n"
+                f"fusionring: some tensors were submitted by a subset of ranks{where} and are "
+                "waiting for the rest (a rank may be stuck, or ranks run different code paths):\n"
                 + "\n".join(lines))
     if stalled and stall_shutdown_s is not None:
         dead = [(n, m, a) for n, m, a in stalled if a >= stall_shutdown_s]
@@ -234,7 +238,7 @@ def coordinate(reports: Sequence[_Report], stall_warning_s: Optional[float],
             lines = [f"{display_name(n)} (missing on {_ranks_text(shown(m))})"
                      for n, m, _ in dead]
             outcome.abort = (f"fusionring stalled for more than {stall_shutdown_s:g} s waiting for "
-                             f"tensors that some ranks never submitted: " + ", ".join(lines)
+                             f"tensors that some ranks{where} never submitted: " + ", ".join(lines)
                              + "".join(f"; {clash}"
                                        for clash in _operation_clashes(dead, by_name,
                                                                        global_ranks)))
