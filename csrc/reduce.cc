@@ -1,7 +1,10 @@
 #include "reduce.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "cpu_features.h"
 
@@ -16,11 +19,37 @@ namespace {
 struct Sum {
   template <typename T> static T apply(T a, T b) { return a + b; }
 };
+// Floating-point min and max give the same bits whichever operand is this rank's: ranks
+// reduce in different orders (recursive doubling pairs (own, peer) on each side), and an
+// order-dependent answer for NaN or for -0 against +0 would leave the replicas different.
+// NaN wins, as in torch.minimum / torch.maximum; -0 is below +0.
+template <typename T> inline T float_min(T a, T b) {
+  if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+  if (a == b) return std::signbit(a) ? a : b;
+  return b < a ? b : a;
+}
+template <typename T> inline T float_max(T a, T b) {
+  if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+  if (a == b) return std::signbit(a) ? b : a;
+  return a < b ? b : a;
+}
 struct Min {
-  template <typename T> static T apply(T a, T b) { return b < a ? b : a; }
+  template <typename T> static T apply(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+      return float_min(a, b);
+    } else {
+      return b < a ? b : a;
+    }
+  }
 };
 struct Max {
-  template <typename T> static T apply(T a, T b) { return a < b ? b : a; }
+  template <typename T> static T apply(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+      return float_max(a, b);
+    } else {
+      return a < b ? b : a;
+    }
+  }
 };
 struct Prod {
   template <typename T> static T apply(T a, T b) { return a * b; }
@@ -49,15 +78,20 @@ void reduce_half(std::uint16_t* __restrict dst, const std::uint16_t* __restrict 
 #ifdef FUSIONRING_X86
 // IEEE half through the F16C conversion instructions, 8 lanes at a time. Chosen at run
 // time, so the library still runs on CPUs without F16C (the portable path above).
-// The operand order of min/max matches the scalar Op::apply (NaN handling included).
+// Min and max match the scalar Op::apply: both operand orders, combined so that -0 is below
+// +0 (OR / AND of the sign bits), and NaN wherever either lane is NaN.
 __attribute__((target("avx,f16c"))) inline __m256 vec_apply(Sum, __m256 a, __m256 b) {
   return _mm256_add_ps(a, b);
 }
 __attribute__((target("avx,f16c"))) inline __m256 vec_apply(Min, __m256 a, __m256 b) {
-  return _mm256_min_ps(b, a);
+  const __m256 m = _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a));
+  return _mm256_blendv_ps(m, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                          _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 __attribute__((target("avx,f16c"))) inline __m256 vec_apply(Max, __m256 a, __m256 b) {
-  return _mm256_max_ps(b, a);
+  const __m256 m = _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a));
+  return _mm256_blendv_ps(m, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                          _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 __attribute__((target("avx,f16c"))) inline __m256 vec_apply(Prod, __m256 a, __m256 b) {
   return _mm256_mul_ps(a, b);

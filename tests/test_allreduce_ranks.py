@@ -365,3 +365,62 @@ def test_the_name_cache_keeps_the_recent_names_within_its_capacity(tmp_path):
         assert {"allreduce.every.a", "allreduce.every.b"} <= set(result["names"])
         assert result["late_exchanges_per_step"] == 1.0   # recurring names stay cached
     assert results[0]["names"] == results[1]["names"]     # every rank keeps the same cache
+
+
+MIN_MAX_SPECIALS = r'''
+import math, struct, torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+comm = MPI.COMM_WORLD
+nan, inf = float("nan"), float("inf")
+# Per rank: NaN, signed zeros and equal values in different positions.
+PATTERNS = [[nan, 3.0, 0.0, -0.0, 2.0, -inf, 1.0, -0.0],
+            [1.0, nan, -0.0, 0.0, 2.0, inf, -0.0, -0.0],
+            [0.0, 5.0, 0.0, nan, -2.0, 0.0, 0.0, -0.0]]
+
+def rank_data(r, n, dtype):
+    base = PATTERNS[r % len(PATTERNS)]
+    return torch.tensor([base[(i + r) % len(base)] if i % 3 else base[i % len(base)]
+                         for i in range(n)], dtype=torch.float64).to(dtype)
+
+def expected(values, op):
+    # NaN wins; -0 is below +0; else the ordinary min / max.
+    if any(math.isnan(v) for v in values):
+        return nan
+    if op == "Min":
+        m = min(values)
+        return -0.0 if m == 0 and any(v == 0 and math.copysign(1, v) < 0 for v in values) else m
+    m = max(values)
+    return 0.0 if m == 0 and any(v == 0 and math.copysign(1, v) > 0 for v in values) else m
+
+failures = []
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    for n in (8, 17, 100003):
+        xs = [rank_data(r, n, dtype).double().tolist() for r in range(size)]
+        for op_name, op in (("Min", hvd.Min), ("Max", hvd.Max)):
+            got = hvd.allreduce(rank_data(rank, n, dtype), op=op, name=f"{op_name}.{dtype}.{n}")
+            raw = got.view(torch.int16 if got.element_size() == 2 else
+                           torch.int32 if got.element_size() == 4 else torch.int64)
+            if len(set(comm.allgather(raw.numpy().tobytes()))) != 1:
+                failures.append(f"{op_name} {dtype} {n}: ranks differ")
+            vals = got.double().tolist()
+            for i in range(n):
+                want = expected([x[i] for x in xs], op_name)
+                v = vals[i]
+                ok = (math.isnan(v) if math.isnan(want)
+                      else v == want and math.copysign(1, v) == math.copysign(1, want))
+                if not ok:
+                    failures.append(f"{op_name} {dtype} {n}[{i}]: {v} != {want}")
+                    break
+report(failures)
+'''
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_min_and_max_with_nan_and_signed_zeros_agree_on_every_rank(np_, tmp_path):
+    results = run_ranks(np_, MIN_MAX_SPECIALS, tmp_path, timeout=180)
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:10]}"
