@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -242,27 +243,36 @@ void insert_scalar(const float* x, std::size_t begin, std::size_t count, const M
   }
 }
 
-// The residual of x when v is sent for it. One value that is not finite makes its bucket's
-// mean, and so v, not finite for every value in the bucket: those values keep all of x (the
-// step carries the inf or NaN, which a loss scaler sees and skips, and nothing finite is lost).
-// A residual that is still not finite (x itself, or x - v beyond float) is kept as 0, as N:M's.
-inline float residual_of(float x, float v) {
+// The residual of x when v is sent for it. One value that is not finite, or beyond the range
+// of the values' dtype (`limit`, its largest finite value), makes its bucket's mean, and so
+// v, not finite for every value in the bucket: those values keep all of x (the step carries
+// the inf or NaN, which a loss scaler sees and skips, and nothing that can be sent is lost),
+// except the values that caused it, which would spoil every later step. A residual that is
+// still not finite (x itself, or x - v beyond float) is kept as 0, as N:M's.
+inline float residual_of(float x, float v, float limit) {
   const float r = x - v;
   if (std::isfinite(r)) return r;
-  return !std::isfinite(v) && std::isfinite(x) ? x : 0.0f;
+  return !std::isfinite(v) && std::fabs(x) <= limit ? x : 0.0f;
+}
+
+// The largest finite value of a cluster payload's values.
+float values_limit(DType values) {
+  if (values == DType::kFloat16) return 65504.0f;
+  if (values == DType::kBFloat16) return bf16_to_float(0x7f7f);
+  return std::numeric_limits<float>::max();
 }
 
 // mode 0: out = v; 1: out += v; 2: out = x - v (the residual of x, by residual_of).
 template <int Mode>
 void decode_scalar(const std::uint8_t* ids, std::size_t begin, std::size_t count, int bits,
                    const std::uint32_t* nb, const std::uint32_t* off, const float* means,
-                   const float* x, float* out) {
+                   const float* x, float* out, float limit) {
   for (std::size_t i = begin; i < count; ++i) {
     const std::uint32_t id = get_id(ids, i, bits);
     const float v = means[off[id] + slot_of(i, nb[id])];
     if (Mode == 0) out[i] = v;
     if (Mode == 1) out[i] += v;
-    if (Mode == 2) out[i] = residual_of(x[i], v);
+    if (Mode == 2) out[i] = residual_of(x[i], v, limit);
   }
 }
 
@@ -499,7 +509,7 @@ FR_AVX2 inline __m256 finite8(__m256 a) {
 template <int Mode, int BITS, bool ONE>
 FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
                                 const std::uint32_t* nb, const std::uint32_t* off, int k,
-                                const float* means, const float* x, float* out) {
+                                const float* means, const float* x, float* out, float limit) {
   constexpr int bits = BITS;
   const PackedTable table = packed_table(nb, off, k);
   const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
@@ -535,7 +545,10 @@ FR_AVX2 std::size_t decode_avx2(const std::uint8_t* ids, std::size_t count,
     if (Mode == 2) {  // residual_of, 8 at a time
       const __m256 xv = _mm256_loadu_ps(x + i);
       const __m256 r = _mm256_sub_ps(xv, v);
-      const __m256 keep_x = _mm256_andnot_ps(finite8(v), finite8(xv));
+      const __m256 magnitude =
+          _mm256_and_ps(xv, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+      const __m256 keep_x = _mm256_andnot_ps(
+          finite8(v), _mm256_cmp_ps(magnitude, _mm256_set1_ps(limit), _CMP_LE_OQ));
       _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_and_ps(r, finite8(r)), xv, keep_x));
     }
   }
@@ -580,12 +593,14 @@ void decode_block(const void* payload, std::size_t count, const ClusterConfig& c
   const Layout l = layout_of(c, count);
   const Tables t = read_tables(payload, c, l);
   const auto* ids = static_cast<const std::uint8_t*>(payload) + l.ids_offset;
+  const float limit = values_limit(c.values);
   std::size_t i = 0;
 #if FR_CQ_X86
   if (use_level() >= 1) {
     const float* means = t.means.data();
     const bool one = c.buckets == static_cast<std::size_t>(c.k);
-#define FR_CQ_DECODE(B, O) decode_avx2<Mode, B, O>(ids, count, t.nb, t.off, c.k, means, x, out)
+#define FR_CQ_DECODE(B, O) \
+  decode_avx2<Mode, B, O>(ids, count, t.nb, t.off, c.k, means, x, out, limit)
     switch (l.bits) {
       case 1: i = one ? FR_CQ_DECODE(1, true) : FR_CQ_DECODE(1, false); break;
       case 2: i = one ? FR_CQ_DECODE(2, true) : FR_CQ_DECODE(2, false); break;
@@ -596,7 +611,7 @@ void decode_block(const void* payload, std::size_t count, const ClusterConfig& c
 #undef FR_CQ_DECODE
   }
 #endif
-  decode_scalar<Mode>(ids, i, count, l.bits, t.nb, t.off, t.means.data(), x, out);
+  decode_scalar<Mode>(ids, i, count, l.bits, t.nb, t.off, t.means.data(), x, out, limit);
 }
 
 }  // namespace

@@ -23,7 +23,9 @@ namespace {
 
 // A residual that is not finite (a non-finite gradient, or a value beyond the wire format's
 // range, which arrives as inf) is kept as 0: carried on, it would spoil every later step of
-// its element, and a step that overflowed on purpose (a loss scaler's probe) must not.
+// its element, and a step that overflowed on purpose (a loss scaler's probe) must not. A
+// value held back that is beyond the wire format's range is kept as 0 too: sent later, it
+// would arrive as inf then.
 inline float finite_or_zero(float r) { return std::isfinite(r) ? r : 0.0f; }
 
 // ------------------------------------------------------------------ value codecs (scalar)
@@ -32,18 +34,21 @@ struct F32 {
   static T encode(float x) { return x; }
   static float decode(T v) { return v; }
   static float residual(float) { return 0.0f; }  // a kept float32 value is sent exactly
+  static float held(float x) { return finite_or_zero(x); }
 };
 struct F16 {
   using T = std::uint16_t;
   static T encode(float x) { return float_to_half(x); }
   static float decode(T v) { return half_to_float(v); }
   static float residual(float x) { return finite_or_zero(x - decode(encode(x))); }
+  static float held(float x) { return std::isfinite(decode(encode(x))) ? x : 0.0f; }
 };
 struct BF16 {
   using T = std::uint16_t;
   static T encode(float x) { return float_to_bf16(x); }
   static float decode(T v) { return bf16_to_float(v); }
   static float residual(float x) { return finite_or_zero(x - decode(encode(x))); }
+  static float held(float x) { return std::isfinite(decode(encode(x))) ? x : 0.0f; }
 };
 
 // Magnitude key: the bits of |x| as an unsigned integer (ordered like |x|; NaN above inf).
@@ -118,7 +123,7 @@ std::size_t compact_scalar(const float* x, std::size_t begin, std::size_t count,
   if (residual) {
     for (std::size_t i = begin; i < count; ++i) {
       const float xi = x[i];
-      residual[i] = bit_at(mask, i) ? V::residual(xi) : finite_or_zero(xi);
+      residual[i] = bit_at(mask, i) ? V::residual(xi) : V::held(xi);
     }
   }
   return o;
@@ -162,11 +167,13 @@ constexpr Lut make_lut(bool expand) {
 constexpr Lut kCompressLut = make_lut(false);
 constexpr Lut kExpandLut = make_lut(true);
 
-// finite_or_zero, eight lanes at a time.
-FR_AVX2 inline __m256 finite8(__m256 r) {
+// All ones in the lanes of r that are finite.
+FR_AVX2 inline __m256 finite_lanes8(__m256 r) {
   const __m256 magnitude = _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return _mm256_and_ps(r, _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ));
+  return _mm256_cmp_ps(magnitude, _mm256_set1_ps(HUGE_VALF), _CMP_LT_OQ);
 }
+// finite_or_zero, eight lanes at a time.
+FR_AVX2 inline __m256 finite8(__m256 r) { return _mm256_and_ps(r, finite_lanes8(r)); }
 
 template <class V> struct Vec;
 template <> struct Vec<F32> {
@@ -186,8 +193,10 @@ template <> struct Vec<F16> {
   FR_AVX2 static __m256 load8(const std::uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {
-    return finite8(_mm256_sub_ps(x, _mm256_and_ps(_mm256_cvtph_ps(narrow(x)), keep)));
+  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {  // kept: x - sent; held: V::held
+    const __m256 sent = _mm256_cvtph_ps(narrow(x));
+    return _mm256_and_ps(finite8(_mm256_sub_ps(x, _mm256_and_ps(sent, keep))),
+                         finite_lanes8(sent));
   }
 };
 template <> struct Vec<BF16> {
@@ -212,8 +221,10 @@ template <> struct Vec<BF16> {
   FR_AVX2 static __m256 load8(const std::uint16_t* p) {
     return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {
-    return finite8(_mm256_sub_ps(x, _mm256_and_ps(widen(narrow(x)), keep)));
+  FR_AVX2 static __m256 residual(__m256 x, __m256 keep) {  // kept: x - sent; held: V::held
+    const __m256 sent = widen(narrow(x));
+    return _mm256_and_ps(finite8(_mm256_sub_ps(x, _mm256_and_ps(sent, keep))),
+                         finite_lanes8(sent));
   }
 };
 
@@ -375,11 +386,12 @@ FR_AVX2 void scatter_avx2(const typename V::T* values, const std::uint64_t* mask
 // kept values and the loops need no room check), and decode expands in register.
 #define FR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,popcnt,bmi")))
 
-// finite_or_zero, sixteen lanes at a time.
-FR_AVX512 inline __m512 finite16(__m512 r) {
-  return _mm512_maskz_mov_ps(
-      _mm512_cmp_ps_mask(_mm512_abs_ps(r), _mm512_set1_ps(HUGE_VALF), _CMP_LT_OQ), r);
+// The lanes of r that are finite.
+FR_AVX512 inline __mmask16 finite_lanes16(__m512 r) {
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(r), _mm512_set1_ps(HUGE_VALF), _CMP_LT_OQ);
 }
+// finite_or_zero, sixteen lanes at a time.
+FR_AVX512 inline __m512 finite16(__m512 r) { return _mm512_maskz_mov_ps(finite_lanes16(r), r); }
 
 template <class V> struct Vec512;
 template <> struct Vec512<F32> {
@@ -399,8 +411,10 @@ template <> struct Vec512<F16> {
   FR_AVX512 static __m512 load(const std::uint16_t* p, __mmask16 k) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
   }
-  FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {
-    return finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(narrow(x)))));
+  FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {  // kept: x - sent; held: V::held
+    const __m512 sent = _mm512_cvtph_ps(narrow(x));
+    return _mm512_maskz_mov_ps(finite_lanes16(sent),
+                               finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, sent))));
   }
 };
 template <> struct Vec512<BF16> {
@@ -423,8 +437,10 @@ template <> struct Vec512<BF16> {
   FR_AVX512 static __m512 load(const std::uint16_t* p, __mmask16 k) {
     return widen(_mm256_maskz_loadu_epi16(k, p));
   }
-  FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {
-    return finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, widen(narrow(x)))));
+  FR_AVX512 static __m512 residual(__m512 x, __mmask16 keep) {  // kept: x - sent; held: V::held
+    const __m512 sent = widen(narrow(x));
+    return _mm512_maskz_mov_ps(finite_lanes16(sent),
+                               finite16(_mm512_sub_ps(x, _mm512_maskz_mov_ps(keep, sent))));
   }
 };
 

@@ -54,12 +54,20 @@ struct BF16 {
   }
 };
 
-// Whether this lane's element is kept. Lanes past `count` have key 0 at higher indices than
-// every real member of their group, so they never beat one (the tail keeps min(N, L)).
 // As on the CPU: a residual that is not finite is kept as 0, so one overflowing step does not
 // spoil every later one.
 __device__ __forceinline__ float finite_or_zero(float r) { return isfinite(r) ? r : 0.0f; }
 
+// A kept value's rounding, or all of a value held back; 0 where the value is beyond the wire
+// format's range (it arrives, or would arrive later, as inf) or the result is not finite.
+template <class V>
+__device__ __forceinline__ float residual_of(float x, bool keep) {
+  const float sent = V::decode(V::encode(x));
+  return isfinite(sent) ? finite_or_zero(keep ? x - sent : x) : 0.0f;
+}
+
+// Whether this lane's element is kept. Lanes past `count` have key 0 at higher indices than
+// every real member of their group, so they never beat one (the tail keeps min(N, L)).
 __device__ __forceinline__ bool lane_keeps(std::uint32_t key, int lane, int n, int m) {
   const int base = lane & ~(m - 1);
   const int mine = lane - base;
@@ -90,7 +98,7 @@ __global__ void select_kernel(const float* __restrict__ src, std::size_t count, 
                            static_cast<std::size_t>(__popc(ballot & ((1u << lane) - 1u)));
     values[at] = V::encode(x);
   }
-  if (residual) residual[i] = finite_or_zero(keep ? x - V::decode(V::encode(x)) : x);
+  if (residual) residual[i] = residual_of<V>(x, keep);
 }
 
 template <class V>
@@ -108,7 +116,7 @@ __global__ void gather_kernel(const float* __restrict__ src, std::size_t count, 
                            static_cast<std::size_t>(__popc(word & ((1u << lane) - 1u)));
     values[at] = V::encode(x);
   }
-  if (residual) residual[i] = finite_or_zero(keep ? x - V::decode(V::encode(x)) : x);
+  if (residual) residual[i] = residual_of<V>(x, keep);
 }
 
 template <class V>

@@ -44,6 +44,9 @@ def data(kind: str, count: int, seed: int) -> torch.Tensor:
         x[3::17] = 0.0
         x[4::19] = -0.0
         x[5] = 1e-42  # subnormal
+    elif kind == "beyond" and count >= 8:  # finite, but past float16's (or bfloat16's) range
+        x[::9] = 1e5
+        x[1::23] = -3.4e38
     elif kind == "constant":
         x = torch.full((count,), 0.375)
     elif kind == "levels":
@@ -66,6 +69,8 @@ CASES = [
     (20_000, 17, 2000, 17, torch.float32, "special"),
     (20_000, 8, 512, 100, torch.float16, "special"),
     (20_000, 4, 512, 9, torch.bfloat16, "special"),
+    (20_000, 8, 512, 100, torch.float16, "beyond"),
+    (20_000, 4, 512, 9, torch.bfloat16, "beyond"),
     (9_999, 200, 4096, 1000, torch.float32, "heavy"),
     (70_000, 256, 8192, 256, torch.float16, "normal"),
     (5_000, 16, 1024, 48, torch.float32, "constant"),

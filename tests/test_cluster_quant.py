@@ -398,3 +398,32 @@ def test_a_residual_that_is_not_finite_is_kept_as_zero(level):
     both = torch.isfinite(sent) & torch.isfinite(x)
     torch.testing.assert_close((sent + residual)[both], x[both], rtol=0, atol=1e-6)
     torch.testing.assert_close(residual[spoiled], x[spoiled], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", range(BEST + 1))
+def test_values_beyond_float16s_range_are_not_kept_where_they_spoiled_their_bucket(level):
+    """With float16 values, a finite 1e5 makes its bucket's mean inf. Kept as residual it would
+    do so again at every later step; so it is kept as 0, while the other values of its bucket
+    keep all of themselves, and every other residual is x minus what was sent."""
+    torch.manual_seed(1)
+    x = torch.randn(6000)
+    x[::3] = 1e5 + torch.randn(2000)   # with k=2 these share a cluster with the 6e4
+    x[1::3] = 6e4 + torch.randn(2000)
+    _C.cluster_set_vector_level(level)
+    try:
+        c = ClusterCompressor(k=2, sample=64, values=torch.float16)
+        payload, ctx = c.compress(x, name="w")
+    finally:
+        _C.cluster_set_vector_level(BEST)
+    sent = c.decompress(payload, ctx)
+    residual = c.memory.residuals["w"].reshape(-1)
+    beyond = x.abs() > 65504
+    spoiled = ~torch.isfinite(sent)
+    assert (spoiled & ~beyond).sum() > 1000 and (spoiled & beyond).sum() > 1000
+    want = x - sent
+    want[spoiled] = x[spoiled]
+    want[beyond] = 0
+    torch.testing.assert_close(residual, want, rtol=0, atol=0)
+    # The next step with ordinary gradients is finite everywhere.
+    payload, ctx = c.compress(torch.randn(6000), name="w")
+    assert torch.isfinite(c.decompress(payload, ctx)).all()

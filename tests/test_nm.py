@@ -482,13 +482,15 @@ def test_pipeline_hands_on_a_stage_error_after_the_helper_is_done(monkeypatch):
 @pytest.mark.parametrize("values", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_residual_that_is_not_finite_is_kept_as_zero(kernel_path, values):
     """Gradients that are not finite, or (float16) beyond the values' range, leave a residual of
-    0 there; every other element's residual is x minus what was sent, as always."""
+    0 there, whether they were sent or held back (sent later they would arrive as inf then);
+    every other element's residual is x minus what was sent, as always."""
     count = 4099
     x = sample(count, seed=5)
     x[::7] = 1e5          # beyond float16's range
     x[3::11] = np.inf
     x[5::13] = -np.inf
     x[6::17] = np.nan
+    x[1000:1016] = 2e5    # whole groups beyond float16's range: some are held back
     xt = torch.from_numpy(x)
     for n, m in [(2, 4), (1, 8), (4, 4)]:
         residual = torch.full((count,), 7.0)
@@ -497,6 +499,10 @@ def test_a_residual_that_is_not_finite_is_kept_as_zero(kernel_path, values):
         with np.errstate(invalid="ignore"):
             want = (x - sent).astype(np.float32)
         want[~np.isfinite(want)] = 0.0
+        if values != torch.float32:
+            want[~np.isfinite(torch.from_numpy(x).to(values).float().numpy())] = 0.0
+        if n < m:
+            assert not nmlib.mask_to_bool(mask, count).numpy()[1000:1016].all()
         np.testing.assert_array_equal(residual.numpy(), want)
         again = torch.full((count,), 7.0)
         nmlib.gather(xt, mask, values, residual=again)

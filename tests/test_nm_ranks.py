@@ -289,3 +289,33 @@ def test_distributed_optimizer_trains_agrees_across_ranks_and_resumes_exactly(tm
         assert a["level"] == b["level"]
         assert a["level_by_name"] == a["level"], label   # the parameter's own name works too
     assert results[0]["scheduled"]["level"] == [1, 4]
+
+
+OVERFLOW_STEP = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+codec = {{"nm": lambda: hvd.Compression.nm(2, 4, values=torch.float16),
+          "nm_per_rank": lambda: hvd.Compression.nm(2, 4, values=torch.float16, shared_mask=False),
+          "cluster": lambda: hvd.Compression.cluster(k=4, values=torch.float16)}}["{kind}"]()
+counts = []
+for step in range(8):
+    x = torch.linspace(-1, 1, 64) * (r + 1)
+    if step == 2 and r == 0:
+        x = x * 1e6     # finite in float32, beyond float16 (a loss scaler's overflowing probe)
+    y = hvd.allreduce(x, name="g", compression=codec, op=hvd.Average)
+    counts.append(int((~torch.isfinite(y)).sum()))
+report(counts)
+'''
+
+
+@pytest.mark.parametrize("kind", ["nm", "nm_per_rank", "cluster"])
+def test_a_step_beyond_float16s_range_is_not_finite_that_step_only(tmp_path, kind):
+    """Values held back (N:M) or kept because their bucket's mean overflowed (cluster) are not
+    carried into later steps when they are beyond float16's range: sent later, they would
+    arrive as inf again."""
+    results = run_ranks(2, OVERFLOW_STEP.format(kind=kind), tmp_path, timeout=90)
+    assert results[0] == results[1]
+    counts = results[0]
+    assert counts[2] > 0 and counts[:2] == [0, 0] and counts[3:] == [0] * 5, counts

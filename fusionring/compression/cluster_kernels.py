@@ -289,9 +289,11 @@ def encode_blocks(x: torch.Tensor, k: int, sample: int, buckets: int, values: to
         sent = torch.gather(_read_values(raw, values), 1, bucket)
         torch.sub(x, sent, out=residual)
         # As the C++ kernels' residual_of: where a bucket's mean is not finite (one inf or
-        # NaN in it) a finite value keeps all of x; a residual still not finite is kept as 0.
+        # NaN in it, or a value beyond the values' range) a value within that range keeps
+        # all of x; a residual still not finite is kept as 0.
         torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
-        torch.where(torch.isfinite(sent) | ~torch.isfinite(x), residual, x, out=residual)
+        sendable = x.abs() <= torch.finfo(values).max
+        torch.where(torch.isfinite(sent) | ~sendable, residual, x, out=residual)
 
 
 def decode_blocks(payload: torch.Tensor, k: int, buckets: int, values: torch.dtype,
