@@ -748,6 +748,9 @@ x = torch.ones(4)
 bad = {
     "op": lambda name: hvd.allreduce(x, name=name, op=42 if r == 1 else hvd.Sum),
     "numpy": lambda name: hvd.allreduce(np.ones(4, np.float32) if r == 1 else x, name=name),
+    # a lossy codec's ring encodes float32: an integer tensor would come back rounded
+    "integer": lambda name: hvd.allreduce(x.long() if r == 1 else x, name=name,
+                                          compression=hvd.Compression.nm(2, 4)),
 }
 out = {}
 for case, call in bad.items():
@@ -765,13 +768,15 @@ report(out)
 
 
 def test_a_bad_argument_on_one_rank_fails_the_others_at_once(tmp_path):
-    """A bad op or a non-tensor on one rank raised there before a request
-    existed: the other ranks waited on the name until the stall limit (with one set, the library
-    then refused every later collective)."""
+    """A bad op, a non-tensor or an integer tensor for a lossy codec on one rank raised there
+    before a request existed: the other ranks waited on the name until the stall limit (with
+    one set, the library then refused every later collective)."""
     results = run_ranks(3, ONE_BAD_CALL, tmp_path, timeout=90,
                         env={"FUSIONRING_STALL_SHUTDOWN_S": "20"})
+    assert "compresses floating-point tensors; tensor 'b.integer' is int64" in (
+        results[1]["integer.b.integer"])
     for r, out in enumerate(results):
-        for case in ("op", "numpy"):
+        for case in ("op", "numpy", "integer"):
             for name in ("b." + case, "None"):
                 message = out[f"{case}.{name}"]
                 assert out[f"{case}.{name}.s"] < 10, (case, name, out)

@@ -23,7 +23,7 @@ import torch
 from .. import state as _rt  # the routed runtime: _rt.get(), _rt.using(), init, shutdown
 from ..dtypes import check_dtype, complex_result, dtype_name, real_view
 from ..compression import Compression, capabilities, describe, resolve_compressor
-from ..compression.base import compress_named
+from ..compression.base import check_floating, compress_named
 from ..negotiation import AUTO_NAME_MARK, TensorSpec
 from ..runtime import Request
 from ..runtime.nccl import (DEVICE, moves_on_device, nccl_version, reduces_on_device,
@@ -391,6 +391,8 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], full: str, op,
     compression = _compressor(compression) if compression is not None else None
     caps = capabilities(compression) if compression is not None else None
     in_runtime = caps is not None and caps.in_runtime
+    if in_runtime:  # its ring encodes float32: an integer tensor would come back rounded
+        check_floating(f"allreduce: {describe(compression)}", tensor, name or full)
     # A CUDA tensor is reduced on its GPU over NCCL (Adasum too), unless it goes through a
     # compressor that keeps its work on the host: those are staged through host memory.
     on_device = (isinstance(tensor, torch.Tensor) and tensor.is_cuda
@@ -554,6 +556,8 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
             raise TypeError(f"{_described('allreduce', name)}: the tensor must be a torch.Tensor, "
                             f"not {type(tensor).__name__}")
         in_runtime = capabilities(compression).in_runtime
+        if in_runtime:  # refused here too, where the other ranks hear of it at once
+            check_floating(f"allreduce: {describe(compression)}", tensor, name)
         if not in_runtime:
             started = time.perf_counter()
             tensor_compressed, ctx = compress_named(compression, tensor, name)
