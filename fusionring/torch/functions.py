@@ -391,7 +391,8 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], full: str, op,
     compression = _compressor(compression) if compression is not None else None
     caps = capabilities(compression) if compression is not None else None
     in_runtime = caps is not None and caps.in_runtime
-    if in_runtime:  # its ring encodes float32: an integer tensor would come back rounded
+    if in_runtime and not tensor.is_complex():  # complex: as its real and imaginary parts
+        # Its ring encodes float32: an integer tensor would come back rounded.
         check_floating(f"allreduce: {describe(compression)}", tensor, name or full)
     # A CUDA tensor is reduced on its GPU over NCCL (Adasum too), unless it goes through a
     # compressor that keeps its work on the host: those are staged through host memory.
@@ -556,7 +557,7 @@ def allreduce(tensor: torch.Tensor, average=None, name: Optional[str] = None,
             raise TypeError(f"{_described('allreduce', name)}: the tensor must be a torch.Tensor, "
                             f"not {type(tensor).__name__}")
         in_runtime = capabilities(compression).in_runtime
-        if in_runtime:  # refused here too, where the other ranks hear of it at once
+        if in_runtime and not tensor.is_complex():  # here the other ranks hear of it at once
             check_floating(f"allreduce: {describe(compression)}", tensor, name)
         if not in_runtime:
             started = time.perf_counter()
