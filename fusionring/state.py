@@ -65,6 +65,18 @@ def _check_not_a_worker_process() -> None:
         f"'__main__':` or a main() function, so that only the ranks run it.")
 
 
+def _in_this_process(hook: Callable[[], None]) -> Callable[[], None]:
+    """`hook` for atexit, doing nothing in a child forked from this process (os.fork() after
+    init()): there it would shut down, or free the windows of, the parent's runtime, and
+    hang in MPI the child never joined."""
+    pid = os.getpid()
+
+    def run() -> None:
+        if os.getpid() == pid:
+            hook()
+    return run
+
+
 def init(comm=None) -> Runtime:
     """Start the runtime (idempotent). `comm` is an mpi4py communicator; default COMM_WORLD."""
     global _runtime, _atexit_registered
@@ -82,10 +94,12 @@ def init(comm=None) -> Runtime:
 
     if isinstance(comm, (list, tuple)):
         ranks = [int(r) for r in comm]
-        comm = MPI.COMM_WORLD.Create(MPI.COMM_WORLD.Get_group().Incl(ranks))
-        if comm == MPI.COMM_NULL:
+        if MPI.COMM_WORLD.Get_rank() not in ranks:
             raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()} is not among the ranks {ranks} "
-                             f"passed to init(); every process must call init() with its ranks")
+                             f"passed to init()")
+        # Only the listed ranks take part (MPI_Comm_create_group, as Horovod): the others
+        # need not call init() at all.
+        comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(ranks))
     elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
         _check_not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
@@ -93,8 +107,8 @@ def init(comm=None) -> Runtime:
     process_exit.record_process(MPI.COMM_WORLD.Get_rank())
     if not _atexit_registered:
         # Run last first: shutdown, then the windows are freed, then mpi4py's MPI_Finalize.
-        atexit.register(close_shared_memory)
-        atexit.register(shutdown)
+        atexit.register(_in_this_process(close_shared_memory))
+        atexit.register(_in_this_process(shutdown))
         _atexit_registered = True
         process_exit.exit_on_uncaught(shutdown)
     return _runtime

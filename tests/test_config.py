@@ -303,3 +303,25 @@ def test_blank_values_count_as_unset_and_stall_times_up_to_zero_turn_the_check_o
     assert s.stall_warning_s is None
     monkeypatch.undo()
     settings(reload=True)   # later tests in this process see the environment's own settings
+
+
+def test_exit_hooks_do_nothing_in_a_child_forked_after_init():
+    """A child of os.fork() that leaves with sys.exit ran fusionring's exit hooks too: it shut
+    down and freed the parent's shared-memory window there, and hung in MPI it never joined."""
+    import os
+
+    from fusionring.state import _in_this_process
+
+    calls = []
+    hook = _in_this_process(lambda: calls.append(os.getpid()))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run the hook, tell the parent whether it ran, leave at once
+        hook()
+        os.write(write, b"ran" if calls else b"skipped")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"skipped"
+    os.waitpid(pid, 0)
+    hook()
+    assert calls == [os.getpid()]

@@ -785,3 +785,4 @@ def test_a_bad_argument_on_one_rank_fails_the_others_at_once(tmp_path):
                 else:
                     assert message.startswith("TensorMismatchError") and "on rank 1" in message, message
         assert out["after"] == [3.0, 3.0]
+

@@ -1259,8 +1259,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 if p.requires_grad and p.grad is None:
                     grad = torch.zeros_like(p)
                     p.grad = grad.to_sparse() if sparse_everywhere or id(p) in sparse else grad
-    state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank,
-                             name="optimizer_state", process_set=process_set)
+    state = _broadcast_state(optimizer.state_dict() if rank() == root_rank else None,
+                             root_rank, process_set)
     if rank() != root_rank:
         # load_state_dict replaces the group dicts; write the root's settings into the
         # existing ones instead, as Horovod does, so that whatever holds them (the
@@ -1277,6 +1277,55 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         for holder in (optimizer, inner):
             if holder is not None:
                 holder.param_groups, holder.state = groups, states
+
+
+# State tensors of at least this many bytes travel by broadcast rather than in the pickle:
+# pickled, a 400 MB Adam state took 20 times as long and 1.4 GB more memory per rank.
+_BROADCAST_STATE_BYTES = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Broadcast:
+    """Where a large tensor of the root's state was, in the pickled rest of it."""
+    index: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _mapped(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`obj` rebuilt through its dicts, lists and tuples with `leaf` applied to the rest."""
+    if isinstance(obj, dict):
+        return {k: _mapped(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_mapped(v, leaf) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_mapped(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _broadcast_state(state: Any, root_rank: int, process_set) -> Any:
+    """The root's optimizer `state_dict()` on every rank: its large dense tensors by broadcast
+    (on the host; load_state_dict moves them to the parameters' devices), the rest pickled."""
+    large: List[torch.Tensor] = []
+
+    def hollow(value: Any) -> Any:
+        if (isinstance(value, torch.Tensor) and value.layout == torch.strided
+                and value.numel() * value.element_size() >= _BROADCAST_STATE_BYTES):
+            large.append(value.detach().cpu().contiguous())
+            return _Broadcast(len(large) - 1, tuple(value.shape), value.dtype)
+        return value
+
+    rest = _mapped(state, hollow) if rank() == root_rank else None
+    rest = broadcast_object(rest, root_rank, name="optimizer_state", process_set=process_set)
+    if rank() != root_rank:
+        holes: List[_Broadcast] = []
+        _mapped(rest, lambda v: holes.append(v) if isinstance(v, _Broadcast) else None)
+        large = [torch.empty(h.shape, dtype=h.dtype) for h in sorted(holes, key=lambda h: h.index)]
+    handles = [broadcast_async_(t, root_rank, name=f"optimizer_state.{i}", process_set=process_set)
+               for i, t in enumerate(large)]
+    for handle in handles:
+        synchronize(handle)
+    return _mapped(rest, lambda v: large[v.index] if isinstance(v, _Broadcast) else v)
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
