@@ -331,3 +331,29 @@ def test_adding_and_removing_sets_holds_no_memory(tmp_path):
     for r, out in enumerate(results):
         assert out["sums"] == ([3.0] if r < 2 else []), out
         assert out["growth"] < 40, out  # 40 cycles kept 160 MB a rank before
+
+
+INIT_ON_LISTED_RANKS = r'''
+import torch
+from mpi4py import MPI
+import fusionring.torch as hvd
+world = MPI.COMM_WORLD.Get_rank()
+if world < 2:    # rank 2 never calls init(), as with Horovod's MPI_Comm_create_group
+    hvd.init(comm=[0, 1])
+    report(dict(size=hvd.size(), rank=hvd.rank(),
+                total=hvd.allreduce(torch.ones(2) * (world + 1), op=hvd.Sum, name="x").tolist()))
+    hvd.shutdown()
+else:
+    try:
+        hvd.init(comm=[0, 1])
+        report("no error")
+    except ValueError as exc:
+        report(str(exc))
+'''
+
+
+def test_init_with_a_list_of_ranks_needs_only_those_ranks(tmp_path):
+    results = run_ranks(3, INIT_ON_LISTED_RANKS, tmp_path, timeout=60)
+    assert results[0] == {"size": 2, "rank": 0, "total": [3.0, 3.0]}
+    assert results[1] == {"size": 2, "rank": 1, "total": [3.0, 3.0]}
+    assert results[2] == "rank 2 is not among the ranks [0, 1] passed to init()"
