@@ -226,3 +226,54 @@ def test_wrapping_again_hands_the_parameters_to_the_new_optimizer(tmp_path):
     under one name, and backward failed)."""
     for out in run_ranks(2, WRAPPED_AGAIN, tmp_path, timeout=90):
         assert out["same"] < 1e-12 and out["new"] < 1e-12, out
+
+
+LARGE_STATE = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+# 128 x 128 float32 = 64 KiB: its Adam moments (and N:M residual) travel by broadcast, the
+# small ones in the pickle.
+model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 2))
+opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3 * (r + 1)),
+                               named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.nm(1, 4, shared_mask=False))
+for step in range(2):
+    g = torch.Generator().manual_seed(10 * r + step)
+    opt.zero_grad()
+    model(torch.randn(4, 128, generator=g)).square().mean().backward()
+    opt.step()
+fresh = torch.optim.Adam(torch.nn.Linear(128, 128).parameters())
+if r == 0:
+    fresh.zero_grad(); fresh.param_groups[0]["params"][0].sum().backward(); fresh.step()
+
+def dump(o):
+    sd = o.state_dict()
+    return ({k: {n: v.flatten().tolist() if torch.is_tensor(v) else v for n, v in s.items()}
+             for k, s in sd["state"].items()}, [g["lr"] for g in sd["param_groups"]])
+
+before = {id(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+residuals = {k: v.clone() for k, v in opt.state_dict()["fusionring"]["compression"]["residuals"].items()}
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+hvd.broadcast_optimizer_state(fresh, root_rank=0)
+after = {id(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+kept = opt.state_dict()["fusionring"]["compression"]["residuals"]
+report(dict(state=dump(opt), fresh=dump(fresh), reused=len(before & after),
+            own_residuals=all(torch.equal(kept[k], v) for k, v in residuals.items()),
+            residual_sum=float(sum(v.abs().sum() for v in residuals.values()))))
+'''
+
+
+def test_large_state_tensors_arrive_by_broadcast_equal_to_the_roots(tmp_path):
+    """Tensors of 64 KiB or more travel by broadcast (in this rank's own state tensors where
+    they fit), the rest pickled; the result is the root's state bit for bit, fresh optimizers
+    included, and each rank keeps its own residuals."""
+    results = run_ranks(2, LARGE_STATE, tmp_path, timeout=90)
+    assert results[0]["state"] == results[1]["state"]
+    assert results[0]["fresh"] == results[1]["fresh"] and results[0]["fresh"][0]
+    assert results[1]["reused"] == 2   # the 128 x 128 weight's two moments, written in place
+    for out in results:
+        assert out["own_residuals"]
+    assert results[0]["residual_sum"] != results[1]["residual_sum"]

@@ -1259,8 +1259,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 if p.requires_grad and p.grad is None:
                     grad = torch.zeros_like(p)
                     p.grad = grad.to_sparse() if sparse_everywhere or id(p) in sparse else grad
-    state = _broadcast_state(optimizer.state_dict() if rank() == root_rank else None,
-                             root_rank, process_set)
+    mine = optimizer.state_dict()
+    state = _broadcast_state(mine if rank() == root_rank else None, root_rank, process_set,
+                             mine=mine)
     if rank() != root_rank:
         # load_state_dict replaces the group dicts; write the root's settings into the
         # existing ones instead, as Horovod does, so that whatever holds them (the
@@ -1292,23 +1293,36 @@ class _Broadcast:
     dtype: torch.dtype
 
 
-def _mapped(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    """`obj` rebuilt through its dicts, lists and tuples with `leaf` applied to the rest."""
+def _mapped(obj: Any, leaf: Callable[[Any, tuple], Any], path: tuple = ()) -> Any:
+    """`obj` rebuilt through its dicts, lists and tuples with `leaf(value, path)` applied to
+    the rest (`path`: the keys and indices that lead to it)."""
     if isinstance(obj, dict):
-        return {k: _mapped(v, leaf) for k, v in obj.items()}
+        return {k: _mapped(v, leaf, path + (k,)) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_mapped(v, leaf) for v in obj))
+        return type(obj)(*(_mapped(v, leaf, path + (i,)) for i, v in enumerate(obj)))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_mapped(v, leaf) for v in obj)
-    return leaf(obj)
+        return type(obj)(_mapped(v, leaf, path + (i,)) for i, v in enumerate(obj))
+    return leaf(obj, path)
 
 
-def _broadcast_state(state: Any, root_rank: int, process_set) -> Any:
-    """The root's optimizer `state_dict()` on every rank: its large dense tensors by broadcast
-    (on the host; load_state_dict moves them to the parameters' devices), the rest pickled."""
+def _found(obj: Any, path: tuple) -> Any:
+    """What `path` leads to in `obj`, or None."""
+    for key in path:
+        try:
+            obj = obj[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def _broadcast_state(state: Any, root_rank: int, process_set, mine: Any = None) -> Any:
+    """The root's optimizer `state_dict()` on every rank: its large dense tensors by broadcast,
+    the rest pickled. Elsewhere a tensor arrives in this rank's own tensor at the same place of
+    `mine` (its own state_dict) when that one has the same shape and dtype on the host, else
+    in a new host tensor (load_state_dict moves it to its parameter's device)."""
     large: List[torch.Tensor] = []
 
-    def hollow(value: Any) -> Any:
+    def hollow(value: Any, path: tuple) -> Any:
         if (isinstance(value, torch.Tensor) and value.layout == torch.strided
                 and value.numel() * value.element_size() >= _BROADCAST_STATE_BYTES):
             large.append(value.detach().cpu().contiguous())
@@ -1318,14 +1332,28 @@ def _broadcast_state(state: Any, root_rank: int, process_set) -> Any:
     rest = _mapped(state, hollow) if rank() == root_rank else None
     rest = broadcast_object(rest, root_rank, name="optimizer_state", process_set=process_set)
     if rank() != root_rank:
-        holes: List[_Broadcast] = []
-        _mapped(rest, lambda v: holes.append(v) if isinstance(v, _Broadcast) else None)
-        large = [torch.empty(h.shape, dtype=h.dtype) for h in sorted(holes, key=lambda h: h.index)]
+        holes: List[Tuple[_Broadcast, tuple]] = []
+        _mapped(rest, lambda v, path: holes.append((v, path)) if isinstance(v, _Broadcast)
+                else None)
+        # Only under "state": what else a state_dict holds (a DistributedOptimizer's own
+        # residuals) this rank keeps, and must not be written over.
+        large = [_receiver(hole, _found(mine, path) if path[:1] == ("state",) else None)
+                 for hole, path in sorted(holes, key=lambda h: h[0].index)]
     handles = [broadcast_async_(t, root_rank, name=f"optimizer_state.{i}", process_set=process_set)
                for i, t in enumerate(large)]
     for handle in handles:
         synchronize(handle)
-    return _mapped(rest, lambda v: large[v.index] if isinstance(v, _Broadcast) else v)
+    return _mapped(rest, lambda v, _: large[v.index] if isinstance(v, _Broadcast) else v)
+
+
+def _receiver(hole: _Broadcast, own: Any) -> torch.Tensor:
+    # This rank's own state tensor, when it fits: no new memory to allocate and fault in (a
+    # 400 MB Adam state took twice as long into new tensors).
+    if (isinstance(own, torch.Tensor) and own.device.type == "cpu" and own.is_contiguous()
+            and own.layout == torch.strided and tuple(own.shape) == hole.shape
+            and own.dtype == hole.dtype and not own.requires_grad):
+        return own
+    return torch.empty(hole.shape, dtype=hole.dtype)
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
