@@ -250,6 +250,21 @@ def grouped_allgather():
 
 check("grouped_allgather", grouped_allgather)
 
+def many_allgathers():
+    # Submitted together, small ones travel in one fused collective; the 4 MiB one alone.
+    shapes = [(), (3,), (2, 2)]
+    def mine(k, i):
+        rows = (i + k) % 3 if i % 5 else 0 if k == 0 else 1   # some ranks send no rows
+        big = i == 150
+        return data(k, (1 << 20) if big else rows, () if big else shapes[i % 3],
+                    DTYPES[i % len(DTYPES)], seed=100 + i)
+    handles = [hvd.allgather_async(mine(r, i), name=f"many.{i}") for i in range(300)]
+    got = [hvd.synchronize(h) for h in reversed(handles)][::-1]
+    return all(torch.equal(g, torch.cat([mine(k, i) for k in range(P)]))
+               and g.dtype == mine(r, i).dtype for i, g in enumerate(got))
+
+check("grouped_allgather_many", many_allgathers)
+
 def grouped_allgather_grad():
     x = torch.ones(r + 1, 2, requires_grad=True)
     z = torch.ones(2, requires_grad=True)

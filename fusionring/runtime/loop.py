@@ -7,6 +7,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -824,7 +825,13 @@ class Runtime:
                 run = functools.partial(self._allreduce_ops.execute, kind=batch.kind)
                 for part in self._transfers(batch):
                     self._guarded(part, run)
+        fused = set()
+        for part in self._allgather_batches(ready):
+            self._guarded(part, self._mpi.allgather_fused)
+            fused.update(id(r) for r in part)
         for request in ready:
+            if id(request) in fused:
+                continue
             run = self._collectives.get(request.spec.kind)
             if request.spec.kind == "allreduce" and request.core_op == ADASUM_CODE:
                 # per tensor: its coefficients come from its own norms
@@ -834,6 +841,27 @@ class Runtime:
                 run = self._gpu_collectives[request.spec.kind]  # a CUDA tensor, over NCCL
             if run is not None:
                 self._guarded([request], run)
+
+    def _allgather_batches(self, ready: List[Request]) -> List[List[Request]]:
+        """The host allgathers of a cycle gathered under pack_limit_bytes each (all ranks'
+        rows), in batches of up to the fusion threshold, to run as one collective each. Every
+        rank knows every rank's rows, so every rank forms the same batches."""
+        limit = self.config.pack_limit_bytes
+        batches: List[List[Request]] = []
+        total = 0
+        for request in ready:
+            if request.spec.kind != "allgather" or request.spec.device:
+                continue
+            nbytes = (sum(request.ready_info.first_dims) * request.tensor.element_size()
+                      * math.prod(request.tensor.shape[1:]))
+            if nbytes >= limit:
+                continue
+            if not batches or total + nbytes > self.config.fusion_threshold_bytes:
+                batches.append([])
+                total = 0
+            batches[-1].append(request)
+            total += nbytes
+        return batches
 
     def _transfers(self, batch: FusedBatch) -> List[List[Request]]:
         """The collectives that carry one scheduled batch, the same on every rank.
