@@ -854,7 +854,7 @@ class Runtime:
                 continue
             nbytes = (sum(request.ready_info.first_dims) * request.tensor.element_size()
                       * math.prod(request.tensor.shape[1:]))
-            if nbytes >= limit:
+            if 0 < limit <= nbytes:   # as for reductions, 0 packs everything
                 continue
             if not batches or total + nbytes > self.config.fusion_threshold_bytes:
                 batches.append([])
