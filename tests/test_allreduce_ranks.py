@@ -415,12 +415,27 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
                 if not ok:
                     failures.append(f"{op_name} {dtype} {n}[{i}]: {v} != {want}")
                     break
+    # reducescatter by the same rule: this rank's block of 6 rows (and a large one)
+    for rows in (6, 40000):
+        n = rows * size
+        xs = [rank_data(r, n, dtype).double().tolist() for r in range(size)]
+        for op_name, op in (("Min", hvd.Min), ("Max", hvd.Max)):
+            got = hvd.reducescatter(rank_data(rank, n, dtype), op=op,
+                                    name=f"rs.{op_name}.{dtype}.{n}").double().tolist()
+            for j, v in enumerate(got):
+                want = expected([x[rank * rows + j] for x in xs], op_name)
+                ok = (math.isnan(v) if math.isnan(want)
+                      else v == want and math.copysign(1, v) == math.copysign(1, want))
+                if not ok:
+                    failures.append(f"reducescatter {op_name} {dtype} {n}[{j}]: {v} != {want}")
+                    break
 report(failures)
 '''
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_min_and_max_with_nan_and_signed_zeros_agree_on_every_rank(np_, tmp_path):
+    """allreduce and reducescatter (whose MPI MIN / MAX compared with `<`)."""
     results = run_ranks(np_, MIN_MAX_SPECIALS, tmp_path, timeout=180)
     for rank, failures in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:10]}"

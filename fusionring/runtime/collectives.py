@@ -134,9 +134,22 @@ class MpiCollectives:
             if wide:
                 send = send.to(tensor.dtype).float()
         # request.core_op holds the core's op code (fusionring.ops.core_reduction).
-        mpi_op = {0: MPI.SUM, 1: MPI.MIN, 2: MPI.MAX, 3: MPI.PROD}[request.core_op]
-        self._rt._data_comm.Reduce_scatter(send.reshape(-1).numpy(), received.reshape(-1).numpy(),
-                                       [n * row_numel for n in rows], op=mpi_op)
+        if request.core_op in (1, 2) and send.is_floating_point():
+            # MPI's MIN and MAX compare with `<`: a NaN is lost or kept depending on the rank
+            # that holds it, and -0 ties +0. The core's allreduce follows allreduce's rule
+            # (NaN wins, -0 below +0); this rank keeps its block of it.
+            full = send.clone() if send is tensor else send
+            config = self._rt.config
+            self._rt._core.allreduce(full.data_ptr(), full.numel(), code, request.core_op,
+                                     1.0, 1.0, config.ring_segment_bytes,
+                                     config.small_message_bytes)
+            start = sum(rows[:self._rt.rank]) * row_numel
+            received.reshape(-1).copy_(full.reshape(-1)[start:start + received.numel()])
+        else:
+            mpi_op = {0: MPI.SUM, 1: MPI.MIN, 2: MPI.MAX, 3: MPI.PROD}[request.core_op]
+            self._rt._data_comm.Reduce_scatter(send.reshape(-1).numpy(),
+                                               received.reshape(-1).numpy(),
+                                               [n * row_numel for n in rows], op=mpi_op)
         _C.scale(received.data_ptr(), received.numel(), code, request.postscale)
         if wide:
             output.copy_(received)
