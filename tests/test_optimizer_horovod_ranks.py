@@ -277,3 +277,51 @@ def test_large_state_tensors_arrive_by_broadcast_equal_to_the_roots(tmp_path):
     for out in results:
         assert out["own_residuals"]
     assert results[0]["residual_sum"] != results[1]["residual_sum"]
+
+
+STATE_MISMATCH = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+out = {}
+# rank 1's first layer is 128 x 130: its parameters differ from the root's
+model = torch.nn.Sequential(torch.nn.Linear(128, 128 + 2 * r), torch.nn.Linear(128 + 2 * r, 2))
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(3, 128)).sum().backward()
+opt.step()
+before = opt.state[model[0].weight]["exp_avg"].clone()
+try:
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out["error"] = None
+except ValueError as exc:
+    out["error"] = str(exc)
+out["own state kept"] = torch.equal(opt.state[model[0].weight]["exp_avg"], before)
+# Two state entries sharing one tensor on this rank each get the root's own value.
+same = torch.nn.Linear(128, 128)
+opt2 = torch.optim.Adam(same.parameters())
+same(torch.randn(3, 128) * (r + 1)).sum().backward()
+opt2.step()
+if r == 1:
+    st = opt2.state[same.weight]
+    st["exp_avg_sq"] = st["exp_avg"]
+hvd.broadcast_optimizer_state(opt2, root_rank=0)
+st = opt2.state[same.weight]
+out["moments"] = [float(st["exp_avg"].double().sum()), float(st["exp_avg_sq"].double().sum())]
+out["after"] = hvd.allreduce(torch.ones(2), name="after", op=hvd.Sum).tolist()
+report(out)
+'''
+
+
+def test_parameters_unlike_the_roots_fail_every_rank_before_any_state_is_written(tmp_path):
+    """Large state tensors are written into this rank's own: a rank whose parameters differ
+    from the root's must not have its state half-overwritten, and every rank must hear why
+    (it failed on that rank only, or passed and failed at the next step)."""
+    results = run_ranks(2, STATE_MISMATCH, tmp_path, timeout=90)
+    for out in results:
+        assert out["error"] == ("broadcast_optimizer_state: the parameters differ from the "
+                                "root's, so its state cannot be loaded: rank 1: parameter 0 of "
+                                "group 0 has shape [130, 128], [128, 128] on root rank 0")
+        assert out["own state kept"] and out["after"] == [2.0, 2.0]
+    assert results[0]["moments"] == results[1]["moments"]
+    assert results[0]["moments"][0] != results[0]["moments"][1]

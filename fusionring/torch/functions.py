@@ -1259,9 +1259,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 if p.requires_grad and p.grad is None:
                     grad = torch.zeros_like(p)
                     p.grad = grad.to_sparse() if sparse_everywhere or id(p) in sparse else grad
-    mine = optimizer.state_dict()
-    state = _broadcast_state(mine if rank() == root_rank else None, root_rank, process_set,
-                             mine=mine)
+    state = _broadcast_state(optimizer, optimizer.state_dict(), root_rank, process_set)
     if rank() != root_rank:
         # load_state_dict replaces the group dicts; write the root's settings into the
         # existing ones instead, as Horovod does, so that whatever holds them (the
@@ -1315,11 +1313,14 @@ def _found(obj: Any, path: tuple) -> Any:
     return obj
 
 
-def _broadcast_state(state: Any, root_rank: int, process_set, mine: Any = None) -> Any:
-    """The root's optimizer `state_dict()` on every rank: its large dense tensors by broadcast,
-    the rest pickled. Elsewhere a tensor arrives in this rank's own tensor at the same place of
-    `mine` (its own state_dict) when that one has the same shape and dtype on the host, else
-    in a new host tensor (load_state_dict moves it to its parameter's device)."""
+def _broadcast_state(optimizer: torch.optim.Optimizer, mine: Any, root_rank: int,
+                     process_set) -> Any:
+    """The root's optimizer `state_dict()` (`mine` there) on every rank: its large dense
+    tensors by broadcast, the rest pickled. Elsewhere a tensor arrives in this rank's own tensor
+    at the same place of `mine` (its own state_dict) when that one has the same shape and dtype
+    on the host, else in a new host tensor (load_state_dict moves it to its parameter's
+    device). Parameters that differ from the root's (in number or shape) fail every rank before
+    any state is written."""
     large: List[torch.Tensor] = []
 
     def hollow(value: Any, path: tuple) -> Any:
@@ -1329,15 +1330,24 @@ def _broadcast_state(state: Any, root_rank: int, process_set, mine: Any = None) 
             return _Broadcast(len(large) - 1, tuple(value.shape), value.dtype)
         return value
 
-    rest = _mapped(state, hollow) if rank() == root_rank else None
-    rest = broadcast_object(rest, root_rank, name="optimizer_state", process_set=process_set)
+    shapes = [[tuple(p.shape) for p in group["params"]] for group in optimizer.param_groups]
+    sent = (_mapped(mine, hollow), shapes) if rank() == root_rank else None
+    rest, root_shapes = broadcast_object(sent, root_rank, name="optimizer_state",
+                                         process_set=process_set)
+    problem = None if rank() == root_rank else _unlike(shapes, root_shapes, root_rank)
+    problems = [p for p in allgather_object(problem, name="optimizer_state.check",
+                                            process_set=process_set) if p is not None]
+    if problems:
+        raise ValueError("broadcast_optimizer_state: the parameters differ from the root's, "
+                         "so its state cannot be loaded: " + "; ".join(problems))
     if rank() != root_rank:
         holes: List[Tuple[_Broadcast, tuple]] = []
         _mapped(rest, lambda v, path: holes.append((v, path)) if isinstance(v, _Broadcast)
                 else None)
+        used: Set[int] = set()
         # Only under "state": what else a state_dict holds (a DistributedOptimizer's own
         # residuals) this rank keeps, and must not be written over.
-        large = [_receiver(hole, _found(mine, path) if path[:1] == ("state",) else None)
+        large = [_receiver(hole, _found(mine, path) if path[:1] == ("state",) else None, used)
                  for hole, path in sorted(holes, key=lambda h: h[0].index)]
     handles = [broadcast_async_(t, root_rank, name=f"optimizer_state.{i}", process_set=process_set)
                for i, t in enumerate(large)]
@@ -1346,12 +1356,33 @@ def _broadcast_state(state: Any, root_rank: int, process_set, mine: Any = None) 
     return _mapped(rest, lambda v, _: large[v.index] if isinstance(v, _Broadcast) else v)
 
 
-def _receiver(hole: _Broadcast, own: Any) -> torch.Tensor:
+def _unlike(shapes: List[List[tuple]], root_shapes: List[List[tuple]],
+            root_rank: int) -> Optional[str]:
+    """How this rank's parameters differ from the root's (per group, in order), or None."""
+    here = f"rank {_global_rank()}"
+    if len(shapes) != len(root_shapes):
+        return (f"{here} has {len(shapes)} parameter groups, root rank {root_rank} "
+                f"{len(root_shapes)}")
+    for g, (mine, root) in enumerate(zip(shapes, root_shapes)):
+        if len(mine) != len(root):
+            return (f"{here}: parameter group {g} has {len(mine)} parameters, "
+                    f"{len(root)} on root rank {root_rank}")
+        for i, (a, b) in enumerate(zip(mine, root)):
+            if a != b:
+                return (f"{here}: parameter {i} of group {g} has shape {list(a)}, "
+                        f"{list(b)} on root rank {root_rank}")
+    return None
+
+
+def _receiver(hole: _Broadcast, own: Any, used: Set[int]) -> torch.Tensor:
     # This rank's own state tensor, when it fits: no new memory to allocate and fault in (a
-    # 400 MB Adam state took twice as long into new tensors).
+    # 400 MB Adam state took twice as long into new tensors). Never one tensor twice: two
+    # state entries may share it here, and each must get its own root value.
     if (isinstance(own, torch.Tensor) and own.device.type == "cpu" and own.is_contiguous()
             and own.layout == torch.strided and tuple(own.shape) == hole.shape
-            and own.dtype == hole.dtype and not own.requires_grad):
+            and own.dtype == hole.dtype and not own.requires_grad
+            and own.untyped_storage().data_ptr() not in used):
+        used.add(own.untyped_storage().data_ptr())
         return own
     return torch.empty(hole.shape, dtype=hole.dtype)
 
