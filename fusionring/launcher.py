@@ -237,6 +237,7 @@ def _parse(argv: Sequence[str]) -> Tuple[LaunchRequest, Optional[Tuple[str, int,
             break
         name, eq, value = token.partition("=")
         inline = value if eq else None
+        name = _unabbreviated(name)
         if name in ("-np", "-n", "--np", "--num-proc"):
             raw, i = _take_value(argv, i, name, inline)
             request.num_ranks = _positive_int(raw, name)
@@ -316,6 +317,30 @@ def _parse(argv: Sequence[str]) -> Tuple[LaunchRequest, Optional[Tuple[str, int,
     if config_file is None:
         _validate(request)
     return request, config_file
+
+
+# The long options parsed here by name (the horovodrun tables add theirs).
+_OWN_LONG_OPTIONS = ("--np", "--num-proc", "--dry-run", "--cluster", "--rate", "--slow",
+                     "--mpiexec", "--hosts", "--hostfile", "--config-file", "--check-build",
+                     "--version", "--help")
+
+
+def _unabbreviated(name: str) -> str:
+    """A long option as its full name when `name` begins exactly one of them, as argparse (and
+    so horovodrun) takes ``--fusion-threshold`` for ``--fusion-threshold-mb``; a prefix of
+    several is refused naming them; anything else is returned as it is (an mpiexec option)."""
+    if not name.startswith("--"):
+        return name
+    known = set(_OWN_LONG_OPTIONS)
+    for table in (horovodrun.SETTINGS, horovodrun.SWITCHES, horovodrun.TOGGLES,
+                  horovodrun.LAUNCH_OPTIONS, horovodrun.NO_EFFECT, horovodrun.REFUSED):
+        known.update(k for k in table if k.startswith("--"))
+    if name in known:
+        return name
+    matches = sorted(k for k in known if k.startswith(name))
+    if len(matches) > 1:
+        raise LaunchError(f"ambiguous option: {name} could match {', '.join(matches)}")
+    return matches[0] if matches else name
 
 
 def _skip_values(argv: Sequence[str], i: int, name: str, inline: Optional[str], arity: int) -> int:

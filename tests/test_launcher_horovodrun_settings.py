@@ -211,3 +211,15 @@ def test_a_refused_value_stops_fusionrun_with_exit_code_2(tmp_path):
     done = _fusionrun("--cycle-time-ms", "-5", tmp_path=tmp_path)
     assert done.returncode == 2
     assert "fusionrun: --cycle-time-ms must be >= 0, got '-5'" in done.stderr
+
+
+def test_a_long_option_may_be_shortened_to_a_prefix_of_one_option_as_in_horovodrun():
+    assert _launch(["--fusion-threshold", "4"]).env_added["FUSIONRING_FUSION_THRESHOLD"] == str(4 << 20)
+    assert _launch(["--cycle-time=2"]).env_added["FUSIONRING_CYCLE_TIME_MS"] == "2.0"
+    with pytest.raises(run.LaunchError, match="--slots-per-host: elastic launches are not supported"):
+        _launch(["--slots", "2"])
+    with pytest.raises(run.LaunchError, match="ambiguous option: --timeline could match "
+                                              "--timeline-filename, --timeline-mark-cycles"):
+        _launch(["--timeline", "t.json"])
+    # single-dash options are mpiexec's, passed on as they are
+    assert "-ppn" in run.parse_args(["-np", "2", "-ppn", "1", "python", "t.py"]).mpiexec_options
