@@ -303,6 +303,15 @@ def mpi_launch_variable() -> Optional[str]:
     return next((name for name in _MPI_RANK_VARIABLES if name in os.environ), None)
 
 
+def launcher_connection() -> Optional[tuple]:
+    """(descriptor, rank variable) when MPICH's launcher handed this process its connection
+    as a descriptor number (``PMI_FD``, with ``PMI_RANK``), else None."""
+    raw = os.environ.get("PMI_FD", "").strip()
+    if not raw.isdigit() or "PMI_RANK" not in os.environ:
+        return None
+    return int(raw), "PMI_RANK"
+
+
 def launcher_world_size() -> Optional[tuple]:
     """(variable, size) for the first launcher variable that announces more than one
     process, else None."""

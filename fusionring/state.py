@@ -9,10 +9,11 @@ import atexit
 import contextlib
 import contextvars
 import os
+import stat
 import sys
 from typing import Callable, List, Optional
 
-from .config import launcher_world_size, mpi_launch_variable
+from .config import launcher_connection, launcher_world_size, mpi_launch_variable
 from .exceptions import FusionRingError, NotInitializedError
 from . import process_exit
 from .runtime import Runtime, close_shared_memory
@@ -65,6 +66,29 @@ def _check_not_a_worker_process() -> None:
         f"'__main__':` or a main() function, so that only the ranks run it.")
 
 
+def _check_launcher_connection() -> None:
+    """A process that a rank started itself (``subprocess``, ``os.system``) inherits the rank's
+    launcher variables but not its connection to the launcher, whose descriptor is closed
+    there: MPI_Init would abort with a PMI write error. Name the cause instead."""
+    found = launcher_connection()
+    if found is None:
+        return
+    fd, variable = found
+    try:
+        connected = stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        connected = False
+    if connected:
+        return
+    raise FusionRingError(
+        f"init() was called in process {os.getpid()}, which inherited MPI rank "
+        f"{os.environ[variable]}'s launcher variables ({variable}, PMI_FD={fd}) but not its "
+        f"connection to the launcher (descriptor {fd} is not the launcher's socket here), as a "
+        f"program that a rank starts with subprocess does. Such a process is no rank of the "
+        f"job: launch it as a job of its own (`mpiexec -n N python ...`), or start it without "
+        f"the PMI_* variables in its environment to run it as a world of one.")
+
+
 def _in_this_process(hook: Callable[[], None]) -> Callable[[], None]:
     """`hook` for atexit, doing nothing in a child forked from this process (os.fork() after
     init()): there it would shut down, or free the windows of, the parent's runtime, and
@@ -84,6 +108,7 @@ def init(comm=None) -> Runtime:
         return _runtime
     if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
         _check_not_a_worker_process()
+        _check_launcher_connection()
     # A parameter-server worker (fusionring.ps sits above the runtime, so it is looked up, not
     # imported: loaded only if the script started a parameter-server job).
     ps_worker = sys.modules.get("fusionring.ps.worker")

@@ -663,6 +663,41 @@ def test_data_loader_workers_that_import_the_script_again(context, tmp_path):
     assert "PMIU_write error" not in output and "PMI_Init failed" not in output
 
 
+SUBPROCESS_OF_A_RANK = r'''
+import os, subprocess, sys
+import fusionring.torch as hvd
+hvd.init()
+child = "import fusionring.torch as hvd; hvd.init(); print('world', hvd.size())"
+result = "rank 0 checks"
+if "PMI_FD" not in os.environ:
+    result = "no PMI_FD"          # not MPICH's launcher: nothing to check
+elif hvd.rank() == 0:
+    inherited = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                               timeout=60)
+    alone = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                           timeout=60, env={k: v for k, v in os.environ.items()
+                                            if not k.startswith("PMI_")})
+    result = [inherited.returncode, inherited.stderr, alone.returncode, alone.stdout]
+hvd.barrier()
+report(result)
+'''
+
+
+def test_a_program_a_rank_starts_that_calls_init_is_told_why_it_cannot(tmp_path):
+    # A subprocess inherits the rank's PMI variables but not the launcher's socket: init()
+    # names that instead of MPI aborting with a PMI write error; without the variables it
+    # runs as a world of one, as the message suggests.
+    results = run_ranks(2, SUBPROCESS_OF_A_RANK, tmp_path, timeout=120)
+    if results[0] == "no PMI_FD":
+        pytest.skip("the launcher hands its connection over otherwise than by PMI_FD")
+    code, stderr, alone_code, alone_out = results[0]
+    assert code != 0
+    assert "not its connection to the launcher" in stderr, stderr[-2000:]
+    assert "without the PMI_* variables" in stderr
+    assert "PMIU_write error" not in stderr and "PMI_Init failed" not in stderr
+    assert alone_code == 0 and "world 1" in alone_out
+
+
 STALL_UNCAUGHT = r'''
 import time
 import torch
