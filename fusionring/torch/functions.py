@@ -1207,6 +1207,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
     """Broadcast a state_dict or (name, tensor) pairs from root, in place (to the ranks of
     `process_set` only, when given)."""
+    runtime_for(process_set, "broadcast_parameters()")  # a rank outside the set: named as such
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, Iterable):
@@ -1244,6 +1245,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     optimizer's zero gradients on them are sparse tensors (on every parameter for
     ``SparseAdam``), so that the gradients of the next backward accumulate as sparse ones.
     """
+    runtime_for(process_set, "broadcast_optimizer_state()")  # before any gradient is set
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"broadcast_optimizer_state(): model must be a torch.nn.Module, not "
                         f"{type(model).__name__} (the third argument is Horovod's model; "
