@@ -67,9 +67,9 @@ def _check_not_a_worker_process() -> None:
 
 
 def _check_launcher_connection() -> None:
-    """A process that a rank started itself (``subprocess``, ``os.system``) inherits the rank's
-    launcher variables but not its connection to the launcher, whose descriptor is closed
-    there: MPI_Init would abort with a PMI write error. Name the cause instead."""
+    """A process that a rank started with ``subprocess`` (which closes inherited descriptors)
+    inherits the rank's launcher variables but not its connection to the launcher: MPI_Init
+    would abort there with a PMI write error. Name the cause instead."""
     found = launcher_connection()
     if found is None:
         return
