@@ -34,17 +34,17 @@ try:
     out["not member"] = "no error"
 except ValueError as exc:
     out["not member"] = str(exc)
-# The helpers name themselves, not the collective they are made of.
-helper_errors = []
+# broadcast_parameters and broadcast_optimizer_state name themselves, not their broadcasts.
+named_errors = []
 fresh = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
 for call in (lambda: hvd.broadcast_parameters({"w": x.clone()}, 0, process_set=other),
              lambda: hvd.broadcast_optimizer_state(fresh, 0, process_set=other)):
     try:
         call()
-        helper_errors.append("no error")
+        named_errors.append("no error")
     except ValueError as exc:
-        helper_errors.append(str(exc))
-out["helpers not member"] = helper_errors
+        named_errors.append(str(exc))
+out["broadcasts not member"] = named_errors
 out["fresh untouched"] = all(p.grad is None for p in fresh.param_groups[0]["params"])
 try:
     hvd.allreduce(x, process_set=hvd.ProcessSet([0, 1]))
@@ -129,9 +129,9 @@ def test_process_sets(tmp_path):
         assert out["grad"] == [2.0 * (r + 1)] * 3  # the set's 2 ranks, not all 4
         assert out["objects"] == [{"from": ranks[-1]}, [10 * k for k in ranks]]
         assert "is not in the process set with ranks" in out["not member"]
-        assert out["helpers not member"][0].startswith("broadcast_parameters(): rank ")
-        assert out["helpers not member"][1].startswith("broadcast_optimizer_state(): rank ")
-        assert all("is not in the process set" in e for e in out["helpers not member"])
+        assert out["broadcasts not member"][0].startswith("broadcast_parameters(): rank ")
+        assert out["broadcasts not member"][1].startswith("broadcast_optimizer_state(): rank ")
+        assert all("is not in the process set" in e for e in out["broadcasts not member"])
         assert out["fresh untouched"]
         assert "has not been added" in out["not added"]
         assert "root_rank" in out["root outside"]
