@@ -23,7 +23,7 @@ from ..dtypes import real_view
 from ..exceptions import FusionRingError, StallError, TensorMismatchError
 from ..negotiation import Negotiator, Ready, TensorSpec, display_name
 from ..ops import ADASUM_CODE, ReduceOp, core_reduction
-from ..process_exit import exit_nonzero_without_finalize
+from ..process_exit import exit_nonzero_without_finalize, unlink_mpi_shared_memory
 from ..scheduler import THRESHOLD, Entry, FusedBatch, FusionScheduler
 from ..timeline import Failure as TimelineFailure, LaneView, Timeline, TimelineError
 from ..timeline import open_failure, timeline_variable
@@ -699,6 +699,7 @@ class Runtime:
         print(f"{message}\n{''.join(traceback.format_exception(exc))}"
               f"fusionring: the other ranks are inside these operations and cannot be told; "
               f"aborting the job", file=sys.stderr, flush=True)
+        unlink_mpi_shared_memory()
         self._MPI.COMM_WORLD.Abort(1)
 
     def _farewell(self) -> None:
