@@ -9,13 +9,11 @@ import atexit
 import contextlib
 import contextvars
 import os
-import stat
 import sys
 from typing import Callable, List, Optional
 
-from .config import launcher_connection, launcher_world_size, mpi_launch_variable
-from .exceptions import FusionRingError, NotInitializedError
-from . import process_exit
+from .exceptions import NotInitializedError
+from . import launch_checks, process_exit
 from .runtime import Runtime, close_shared_memory
 
 _runtime: Optional[Runtime] = None  # the global runtime, after init()
@@ -23,70 +21,6 @@ _atexit_registered = False
 # Called by shutdown() before the global runtime stops (process sets register theirs here,
 # so that this module need not know about them).
 _shutdown_hooks: List[Callable[[], None]] = []
-
-
-def _check_not_a_lone_copy(MPI) -> None:
-    """Fail when a launcher started several processes but MPI sees only this one.
-
-    That happens under torchrun, or under another MPI's mpirun than the one mpi4py was
-    built with: each process would train alone, silently, as a world of one.
-    """
-    announced = launcher_world_size()
-    if announced is None:
-        return
-    variable, size = announced
-    raise FusionRingError(
-        f"{variable}={size}: this process was started as one of {size}, but MPI "
-        f"({' '.join(MPI.Get_library_version().split()[:3])}) sees a world of 1. "
-        f"fusionring's ranks are MPI processes: launch with `fusionrun -np {size} python ...` "
-        f"or the mpirun/mpiexec of the MPI that mpi4py was built with, not torchrun or "
-        f"another MPI's launcher (unset {variable} to run a single process).")
-
-
-def _check_not_a_worker_process() -> None:
-    """A process that multiprocessing started from a rank with spawn or forkserver (a
-    DataLoader worker, say) inherits the rank's launcher variables but is no rank: MPI_Init
-    would abort there with a launcher error. Name the cause instead."""
-    import multiprocessing
-
-    variable = mpi_launch_variable()
-    # Such a process imports the script as a module named __mp_main__. (multiprocessing
-    # also files the main module of any process under that key, with its own name; a forked
-    # process keeps that one, and can still reach the launcher through the descriptors it
-    # inherited.)
-    imported_as = getattr(sys.modules.get("__mp_main__"), "__name__", None)
-    if variable is None or imported_as != "__mp_main__":
-        return
-    raise FusionRingError(
-        f"init() was called in process {os.getpid()} "
-        f"({multiprocessing.current_process().name}), which multiprocessing started from MPI "
-        f"rank {os.environ[variable]} ({variable} is inherited). Such a process, a DataLoader "
-        f"worker with multiprocessing_context 'spawn' or 'forkserver' for example, imports the "
-        f"script again and cannot join the job: call init() inside `if __name__ == "
-        f"'__main__':` or a main() function, so that only the ranks run it.")
-
-
-def _check_launcher_connection() -> None:
-    """A process that a rank started with ``subprocess`` (which closes inherited descriptors)
-    inherits the rank's launcher variables but not its connection to the launcher: MPI_Init
-    would abort there with a PMI write error. Name the cause instead."""
-    found = launcher_connection()
-    if found is None:
-        return
-    fd, variable = found
-    try:
-        connected = stat.S_ISSOCK(os.fstat(fd).st_mode)
-    except OSError:
-        connected = False
-    if connected:
-        return
-    raise FusionRingError(
-        f"init() was called in process {os.getpid()}, which inherited MPI rank "
-        f"{os.environ[variable]}'s launcher variables ({variable}, PMI_FD={fd}) but not its "
-        f"connection to the launcher (descriptor {fd} is not the launcher's socket here), as a "
-        f"program that a rank starts with subprocess does. Such a process is no rank of the "
-        f"job: launch it as a job of its own (`mpiexec -n N python ...`), or start it without "
-        f"the PMI_* variables in its environment to run it as a world of one.")
 
 
 def _in_this_process(hook: Callable[[], None]) -> Callable[[], None]:
@@ -107,8 +41,8 @@ def init(comm=None) -> Runtime:
     if _runtime is not None and _runtime.alive:
         return _runtime
     if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
-        _check_not_a_worker_process()
-        _check_launcher_connection()
+        launch_checks.not_a_worker_process("init()")
+        launch_checks.launcher_reachable("init()")
     # A parameter-server worker (fusionring.ps sits above the runtime, so it is looked up, not
     # imported: loaded only if the script started a parameter-server job).
     ps_worker = sys.modules.get("fusionring.ps.worker")
@@ -126,7 +60,7 @@ def init(comm=None) -> Runtime:
         # need not call init() at all.
         comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(ranks))
     elif comm is None and MPI.COMM_WORLD.Get_size() == 1:
-        _check_not_a_lone_copy(MPI)
+        launch_checks.not_a_lone_copy(MPI)
     _runtime = Runtime(comm)
     process_exit.recovered()   # every rank of the new runtime is back: end as usual
     process_exit.record_process(MPI.COMM_WORLD.Get_rank())

@@ -1,4 +1,5 @@
 """Bad input fails clearly on every rank, and the library keeps working afterwards."""
+import os
 import time
 
 import pytest
@@ -263,6 +264,33 @@ def test_rank_leaving_makes_others_fail_instead_of_hang(tmp_path):
     results = run_ranks(3, EARLY_EXIT, tmp_path, timeout=60)
     for r in (0, 2):
         assert "shut down" in results[r]["error"] and "rank(s) 1" in results[r]["error"]
+
+
+FAILED_JOB = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(4), name="before")
+with open("/proc/self/maps") as maps:
+    segments = sorted({line.rstrip().split(None, 5)[5] for line in maps
+                       if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")})
+report({"segments": segments})
+if hvd.rank() == 1:
+    raise RuntimeError("this rank fails")
+hvd.allreduce(torch.ones(4), name="after")
+'''
+
+
+def test_a_failed_job_leaves_no_mpi_shared_memory_file(tmp_path):
+    """Ranks that end without MPI_Finalize remove MPICH's node segment from /dev/shm, which
+    MPI_Finalize would have done: a container's small /dev/shm must not fill up with failures."""
+    results, code, output = run_ranks(2, FAILED_JOB, tmp_path, timeout=60, expect_failure=True)
+    assert code != 0 and "this rank fails" in output
+    segments = {path for result in results for path in result["segments"]}
+    mpich = [path for path in segments if os.path.basename(path).startswith("mpich_shm_")]
+    if not mpich:
+        pytest.skip(f"no MPICH node segment mapped (MPI without one): {sorted(segments)}")
+    assert [path for path in mpich if os.path.exists(path)] == []
 
 
 STALL = r'''
@@ -677,7 +705,10 @@ elif hvd.rank() == 0:
     alone = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                            timeout=60, env={k: v for k, v in os.environ.items()
                                             if not k.startswith("PMI_")})
-    result = [inherited.returncode, inherited.stderr, alone.returncode, alone.stdout]
+    server = subprocess.run([sys.executable, "-c", "import fusionring.ps as ps; ps.init(num_servers=1)"],
+                            capture_output=True, text=True, timeout=60)
+    result = [inherited.returncode, inherited.stderr, alone.returncode, alone.stdout,
+              server.returncode, server.stderr]
 hvd.barrier()
 report(result)
 '''
@@ -690,12 +721,15 @@ def test_a_program_a_rank_starts_that_calls_init_is_told_why_it_cannot(tmp_path)
     results = run_ranks(2, SUBPROCESS_OF_A_RANK, tmp_path, timeout=120)
     if results[0] == "no PMI_FD":
         pytest.skip("the launcher hands its connection over otherwise than by PMI_FD")
-    code, stderr, alone_code, alone_out = results[0]
+    code, stderr, alone_code, alone_out, ps_code, ps_stderr = results[0]
     assert code != 0
     assert "not its connection to the launcher" in stderr, stderr[-2000:]
     assert "without the PMI_* variables" in stderr
     assert "PMIU_write error" not in stderr and "PMI_Init failed" not in stderr
     assert alone_code == 0 and "world 1" in alone_out
+    # The parameter server's init() makes the same check.
+    assert ps_code != 0 and "ps.init() was called in process" in ps_stderr, ps_stderr[-2000:]
+    assert "PMIU_write error" not in ps_stderr and "PMI_Init failed" not in ps_stderr
 
 
 STALL_UNCAUGHT = r'''

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .. import launch_checks
 from ..compression import Compression
 from ..compression.base import capabilities, resolve_compressor
 from ..config import settings
@@ -155,9 +156,14 @@ def init(num_servers: int = 1) -> None:
     """Start the job: ranks ``[0, num_servers)`` run the server here and exit with status 0 when every worker has
     shut down; the other ranks are workers and return."""
     global _job
+    if "mpi4py.MPI" not in sys.modules:  # once MPI is up, this process is a rank
+        launch_checks.not_a_worker_process("ps.init()")
+        launch_checks.launcher_reachable("ps.init()")
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
+    if size == 1:
+        launch_checks.not_a_lone_copy(MPI)
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or not 1 <= num_servers < size:
         raise ValueError(f"num_servers must be an int in [1, world size - 1] = [1, {size - 1}] (at least one "
                          f"rank must be a worker), got {num_servers!r}")
