@@ -20,6 +20,7 @@ becomes).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import shlex
@@ -309,6 +310,7 @@ def _parse(argv: Sequence[str]) -> Tuple[LaunchRequest, Optional[Tuple[str, int,
         elif name in ("-h", "--help"):
             raise SystemExit(_print_help())
         else:
+            _check_not_a_misspelling(name)
             arity = 0 if eq else _MPIEXEC_VALUE_OPTIONS.get(name.lstrip("-"), 0)
             if i + arity >= len(argv):
                 raise LaunchError(f"mpiexec option {name} needs {arity} value(s)")
@@ -325,16 +327,36 @@ _OWN_LONG_OPTIONS = ("--np", "--num-proc", "--dry-run", "--cluster", "--rate", "
                      "--version", "--help")
 
 
+def _long_options() -> set:
+    """Every long option fusionrun reads itself (its own and horovodrun's)."""
+    known = set(_OWN_LONG_OPTIONS)
+    for table in (horovodrun.SETTINGS, horovodrun.SWITCHES, horovodrun.TOGGLES,
+                  horovodrun.LAUNCH_OPTIONS, horovodrun.NO_EFFECT, horovodrun.REFUSED):
+        known.update(k for k in table if k.startswith("--"))
+    return known
+
+
+def _check_not_a_misspelling(name: str) -> None:
+    """Refuse a long option that fusionrun would hand to mpiexec but that is a near miss of one
+    of its own (``--fusion-threshold-mbb``): mpiexec would fail with only "unrecognized
+    argument", or, worse, take it, and the setting would silently not apply."""
+    if not name.startswith("--") or name.lstrip("-") in _MPIEXEC_VALUE_OPTIONS:
+        return
+    close = difflib.get_close_matches(name, sorted(_long_options()), n=3, cutoff=0.8)
+    if close:
+        raise LaunchError(
+            f"unknown option {name}: did you mean {' or '.join(close)}? (fusionrun hands the "
+            f"options it does not know to mpiexec; to mean mpiexec's, write it with one dash, "
+            f"-{name.lstrip('-')})")
+
+
 def _unabbreviated(name: str) -> str:
     """A long option as its full name when `name` begins exactly one of them, as argparse (and
     so horovodrun) takes ``--fusion-threshold`` for ``--fusion-threshold-mb``; a prefix of
     several is refused naming them; anything else is returned as it is (an mpiexec option)."""
     if not name.startswith("--"):
         return name
-    known = set(_OWN_LONG_OPTIONS)
-    for table in (horovodrun.SETTINGS, horovodrun.SWITCHES, horovodrun.TOGGLES,
-                  horovodrun.LAUNCH_OPTIONS, horovodrun.NO_EFFECT, horovodrun.REFUSED):
-        known.update(k for k in table if k.startswith("--"))
+    known = _long_options()
     if name in known:
         return name
     matches = sorted(k for k in known if k.startswith(name))

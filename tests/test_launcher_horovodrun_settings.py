@@ -223,3 +223,17 @@ def test_a_long_option_may_be_shortened_to_a_prefix_of_one_option_as_in_horovodr
         _launch(["--timeline", "t.json"])
     # single-dash options are mpiexec's, passed on as they are
     assert "-ppn" in run.parse_args(["-np", "2", "-ppn", "1", "python", "t.py"]).mpiexec_options
+
+
+def test_a_near_miss_of_an_option_is_refused_naming_the_option_meant():
+    with pytest.raises(run.LaunchError, match=r"unknown option --fusion-threshold-mbb: did you mean "
+                                              r"--fusion-threshold-mb\?"):
+        run.parse_args(["-np", "2", "--fusion-threshold-mbb", "32", "python", "t.py"])
+    with pytest.raises(run.LaunchError, match=r"did you mean --timeline-filename\?"):
+        run.parse_args(["-np", "2", "--timeline-filenme=t.json", "python", "t.py"])
+    # mpiexec's own options still pass, with one dash or two, and so does a near miss written
+    # with one dash (the way to mean mpiexec's option of that name)
+    for words in (["--bind-to", "core"], ["--oversubscribe"], ["--report-bindings"],
+                  ["-fusion-threshold-mbb"], ["--print-rank-map"]):
+        request = run.parse_args(["-np", "2", *words, "python", "t.py"])
+        assert request.mpiexec_options == words and request.program == ["python", "t.py"]
