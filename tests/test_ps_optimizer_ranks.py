@@ -1,5 +1,5 @@
 """The server steps the wrapped optimizer's own class: SGD with momentum and weight decay, Adam, and an LR
-scheduler on the workers (a float or a tensor lr) give, under bsp, what one process gets from the averaged gradients."""
+scheduler on the workers (on the optimizer wrapped or on the wrapper; a float or a tensor lr) give, under bsp, what one process gets from the averaged gradients."""
 import pytest
 
 from conftest import run_ranks
@@ -26,11 +26,13 @@ def batch(worker, step):
 
 model = build(100 + k)  # worker 0's initial parameters win
 inner = make(model.parameters())
-sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.3) if {scheduled} else None
+sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.3) if {scheduled!r} == "inner" else None
 opt = ps.DistributedOptimizer(inner, named_parameters=model.named_parameters(), sync="bsp")
+if {scheduled!r} == "wrapper":  # as with Horovod's optimizer: the scheduler takes the wrapped one
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
 ref = build(100)
 ref_opt = make(ref.parameters())
-ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3) if {scheduled} else None
+ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3) if {scheduled!r} else None
 flat = build(100)  # the same run with the lr never scheduled: the schedule must make a difference
 flat_opt = make(flat.parameters())
 import warnings
@@ -65,16 +67,17 @@ CASES = {
                                   "nesterov=True)", False),
     "adam_weight_decay": "torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95), weight_decay=0.02)",
     "adamw": "torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)",
-    "sgd_step_lr": ("torch.optim.SGD(params, lr=0.2, momentum=0.5)", True),
+    "sgd_step_lr": ("torch.optim.SGD(params, lr=0.2, momentum=0.5)", "inner"),
+    "sgd_step_lr_on_the_wrapper": ("torch.optim.SGD(params, lr=0.2, momentum=0.5)", "wrapper"),
     # a one-value tensor lr, which the scheduler fills in place
-    "adam_tensor_lr_step_lr": ("torch.optim.Adam(params, lr=torch.tensor(0.2))", True),
+    "adam_tensor_lr_step_lr": ("torch.optim.Adam(params, lr=torch.tensor(0.2))", "inner"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bsp_server_steps_the_wrapped_optimizer_as_one_process_would(tmp_path, case):
     spec = CASES[case]
-    make, scheduled = spec if isinstance(spec, tuple) else (spec, False)
+    make, scheduled = spec if isinstance(spec, tuple) else (spec, "")
     results = run_ranks(3, SCRIPT.format(make=make, scheduled=scheduled), tmp_path, timeout=150)
     assert results[0] == {"server": True}
     for r in results[1:]:

@@ -158,6 +158,11 @@ for arg, kwargs in [("sync", {"sync": "fast"}), ("staleness", {"staleness": -1})
         errors[arg + repr(kwargs.get(arg))] = str(e)
 opt = ps.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), sync="asp",
                               compression=hvd.Compression.nm(2, 4, shared_mask=False))
+try:  # the servers hold the model the optimizer was built with
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    errors["add_param_group"] = None
+except ValueError as e:
+    errors["add_param_group"] = str(e)
 opt.zero_grad(); model(torch.randn(2, 3)).sum().backward(); opt.step()
 ps.shutdown()
 report(errors)
@@ -170,7 +175,7 @@ def test_bad_arguments_raise_value_errors_naming_them(tmp_path):
         assert "num_servers" in errors["num_servers"]
         for key, message in errors.items():
             arg = next(a for a in ("num_servers", "sync", "staleness", "slack", "compression",
-                                   "named_parameters") if key.startswith(a))
+                                   "named_parameters", "add_param_group") if key.startswith(a))
             assert message is not None and arg in message, (key, message)
 
 

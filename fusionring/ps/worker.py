@@ -340,9 +340,13 @@ def _send_failure(job: Any, error: BaseException) -> None:
         time.sleep(0.01)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer for a parameter-server job: ``step()`` pushes this worker's gradient to the servers,
     waits for their reply (the sync rule may hold it back) and loads the new parameters.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``defaults`` and ``state`` are the wrapped
+    optimizer's own, so an LR scheduler (``torch.optim.lr_scheduler``) takes either, and the servers follow the
+    hyper-parameters it sets with each push.
 
     ``sync``: "bsp" | "asp" | "ssp" | "adaptive" (see docs/ps.md); ``staleness``: ssp's bound in iterations;
     ``slack``: adaptive's slack factor (None: ``sync.DEFAULT_SLACK``); ``compression``: any fusionring compressor
@@ -372,6 +376,14 @@ class DistributedOptimizer:
         # layers it does not send wait in the selection's accumulator (error feedback)
         if layer_selection is not None:
             layer_selection.attach(named)
+        # Optimizer.__init__ sets up torch's hook tables; the groups, defaults and state are then the wrapped
+        # optimizer's own objects, so that a scheduler changing one changes both.
+        self._wrapping = False
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._wrapping = True
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.state = optimizer.state
         self.optimizer = optimizer
         self.sync, self.staleness, self.slack = sync, staleness, slack
         self.compression = compression
@@ -463,12 +475,19 @@ class DistributedOptimizer:
         return buffers
 
     # ------------------------------------------------------------------ torch.optim.Optimizer's face
-    @property
-    def param_groups(self) -> List[dict]:
-        return self.optimizer.param_groups
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self.__dict__.get("_wrapping", True):  # called by Optimizer.__init__ itself
+            return super().add_param_group(param_group)
+        # the servers were told the model and its groups when the optimizer was built
+        raise ValueError("add_param_group: a ps.DistributedOptimizer cannot take parameters after it is built "
+                         "(the servers hold the model it was built with); give every param group to the "
+                         "optimizer it wraps before wrapping it")
+
+    def __repr__(self) -> str:
+        return f"ps.DistributedOptimizer({self.optimizer!r}, sync={self.sync!r})"
 
     @staticmethod
     def _hyper(group: dict) -> dict:
