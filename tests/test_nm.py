@@ -351,6 +351,44 @@ def test_state_dict_round_trip_continues_exactly(shared):
         Compression.nm(2, 4).load_state_dict(saved)
 
 
+SCRATCH_CODECS = {"nm_shared": lambda: Compression.nm(2, 4, values=torch.float16),
+                  "nm_per_rank": lambda: Compression.nm(2, 4, values=torch.float16, shared_mask=False),
+                  "cluster": lambda: Compression.cluster(k=4)}
+
+
+@pytest.mark.parametrize("codec", sorted(SCRATCH_CODECS))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scratch_input_and_out_give_the_bits_of_the_copying_path(codec, out_dtype):
+    # The DDP hooks let compress() use their bucket as scratch and decode into the bucket: the
+    # same payloads, results and residuals as the copying path, step after step (the residual
+    # is written over the previous one, which compress() has already added in).
+    copying, in_place = SCRATCH_CODECS[codec](), SCRATCH_CODECS[codec]()
+    rng = np.random.default_rng(7)
+    for step in range(5):
+        grad = torch.from_numpy(rng.standard_normal(1003).astype(np.float32))
+        kept_grad = grad.clone()
+        p1, c1 = copying.compress(grad, name="g")
+        assert torch.equal(grad, kept_grad)  # without scratch the input is left alone
+        bucket = grad.clone()
+        p2, c2 = in_place.compress(bucket, name="g", scratch=True)
+        for a, b in zip(p1 if isinstance(p1, tuple) else (p1,), p2 if isinstance(p2, tuple) else (p2,)):
+            assert torch.equal(a, b), step
+        expected = copying.decompress(p1, c1)
+        if codec.startswith("nm"):
+            out = torch.empty(1003, dtype=out_dtype)
+            got = in_place.decompress(p2, c2, out=out)
+            assert got is out and torch.equal(out, expected.to(out_dtype)), step
+        else:
+            assert torch.equal(in_place.decompress(p2, c2), expected), step
+    a, b = copying.state_dict(), in_place.state_dict()
+    assert torch.equal(a["residuals"]["g"], b["residuals"]["g"])
+    if codec == "nm_shared":
+        assert torch.equal(a["tensors"]["g"]["estimate"], b["tensors"]["g"]["estimate"])
+    if codec.startswith("nm"):
+        with pytest.raises(ValueError, match="out holds 10 values"):
+            in_place.decompress(p2, c2, out=torch.empty(10))
+
+
 @pytest.mark.parametrize("make", [lambda: Compression.nm(1, 4),
                                   lambda: Compression.nm(1, 4, shared_mask=False),
                                   lambda: Compression.cluster(k=4)])

@@ -246,6 +246,16 @@ def check_floating(method: str, tensor: torch.Tensor, name: Optional[str]) -> No
                          f"{str(tensor.dtype).replace('torch.', '')}")
 
 
+def working_copy(tensor: torch.Tensor, device: torch.device, scratch: bool = False) -> torch.Tensor:
+    """`tensor` as a flat float32 vector on `device` that an encoder may overwrite: with
+    `scratch` (the caller's tensor is replaced by the decoded result anyway, as a DDP bucket
+    is) the tensor itself where it already is one, else a copy."""
+    if (scratch and tensor.dtype == torch.float32 and tensor.device == device
+            and tensor.is_contiguous()):
+        return tensor.detach().reshape(-1)
+    return tensor.detach().to(device, torch.float32).reshape(-1).clone()
+
+
 class Memory:
     """Keeps what a compressor dropped (the residual) and adds it back next time."""
 
@@ -280,6 +290,18 @@ class Memory:
             tensor.add_(residual.to(device=tensor.device, dtype=tensor.dtype).reshape(tensor.shape))
         return tensor
 
+    def compensate_for_new(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """compensate_ `tensor` (flat float32), then return where the new residual goes: the
+        residual just added, spent now, when it is a flat float32 one on the tensor's device
+        (so a large tensor's residual is not a fresh allocation, with its page faults, every
+        step), else a new tensor. The encoder writes it and ``update`` keeps it."""
+        previous = self.fitting(name, tensor.numel())
+        self.compensate_(name, tensor)
+        if (previous is not None and previous.dtype == torch.float32
+                and previous.device == tensor.device and previous.is_contiguous()):
+            return previous.reshape(-1)
+        return torch.empty(tensor.numel(), device=tensor.device)
+
     def update(self, name: str, residual: torch.Tensor) -> None:
         self.residuals[name] = residual.detach()
 
@@ -301,4 +323,4 @@ class Memory:
 
 __all__ = ["Capabilities", "Compression", "Compressor", "Memory", "capabilities", "check_flag",
            "check_floating", "compress_named", "describe", "lookup_compressor",
-           "register_compressor", "registered_compressors", "resolve_compressor"]
+           "register_compressor", "registered_compressors", "resolve_compressor", "working_copy"]

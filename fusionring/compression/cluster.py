@@ -30,7 +30,7 @@ import torch
 from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
-from .base import Compressor, Memory, check_flag, check_floating, register_compressor
+from .base import Compressor, Memory, check_flag, check_floating, register_compressor, working_copy
 from . import cluster_kernels
 from .cluster_codec import ClusterCodec
 
@@ -140,20 +140,20 @@ class ClusterCompressor(Compressor):
         return _C.cluster_payload_bytes(count, *self._args())
 
     # ------------------------------------------------------------------ Horovod shape
-    def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None, scratch: bool = False):
         """Encode `tensor` as one block -> (uint8 payload, ctx). The residual is kept per
-        `name`; without one per shape and dtype, so name distinct tensors."""
+        `name`; without one per shape and dtype, so name distinct tensors. `scratch=True`: the
+        caller lets a float32 contiguous `tensor` be overwritten (a DDP bucket that the decoded
+        result replaces), which saves copying it."""
         check_floating("Compression.cluster", tensor, name)
         key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
         with self._lock:
             # A CUDA tensor is encoded on its GPU (the torch kernels), its payload left there.
             device = tensor.device if tensor.is_cuda else torch.device("cpu")
-            x = tensor.detach().to(device, torch.float32).reshape(-1).clone()
-            if self.error_feedback:
-                self.memory.compensate_(key, x)
+            x = working_copy(tensor, device, scratch)
             count = x.numel()
+            residual = self.memory.compensate_for_new(key, x) if self.error_feedback else None
             payload = torch.empty(self.payload_bytes(count), dtype=torch.uint8, device=device)
-            residual = torch.empty(count, device=device) if self.error_feedback else None
             stream = _C.cluster_stream(self.seed, self.position, 0)
             if x.is_cuda:
                 cluster_kernels.encode(x, self.k, self.sample, self.buckets, self.values,

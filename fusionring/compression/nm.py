@@ -38,7 +38,7 @@ from .. import _C
 from ..dtypes import VALUE_CODES, contiguous_view, dtype_name
 from ..reduction import ReductionContext
 from ..timeline import phase_recorder
-from .base import Compressor, Memory, check_flag, check_floating, register_compressor
+from .base import Compressor, Memory, check_flag, check_floating, register_compressor, working_copy
 # The kernels and schedules keep their names here too (``fusionring.compression.nm.gather``).
 from .nm_kernels import (MAX_M, _squares, bits_per_element, check_nm, check_values,
                          compress_values, cuda_kernels, gather, mask_to_bool, scatter,
@@ -208,9 +208,11 @@ class NMCompressor(Compressor):
         return self._tensors.setdefault(key, _TensorState())
 
     # ------------------------------------------------------------------ Horovod shape
-    def compress(self, tensor: torch.Tensor, name: Optional[str] = None):
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None, scratch: bool = False):
         """Encode `tensor` -> (payload, ctx). State (residual, mask estimate, step) is kept per
-        `name`; without one it is kept per shape and dtype, so name distinct tensors."""
+        `name`; without one it is kept per shape and dtype, so name distinct tensors.
+        `scratch=True`: the caller lets a float32 contiguous `tensor` be overwritten (a DDP
+        bucket that the decoded result replaces), which saves copying it."""
         check_floating("Compression.nm", tensor, name)
         key = name if name is not None else f"{tuple(tensor.shape)}:{tensor.dtype}"
         with self._lock:
@@ -218,11 +220,9 @@ class NMCompressor(Compressor):
             n, m = self._level(state)
             # CUDA tensors stay on the device when the GPU kernels can take them.
             device = tensor.device if cuda_kernels(tensor, m) else torch.device("cpu")
-            x = tensor.detach().to(device, torch.float32).reshape(-1).clone()
-            if self.error_feedback:
-                self.memory.compensate_(key, x)
+            x = working_copy(tensor, device, scratch)
             count = x.numel()
-            residual = torch.empty(count, device=device) if self.error_feedback else None
+            residual = self.memory.compensate_for_new(key, x) if self.error_feedback else None
             if self.shared_mask:
                 mask = self._shared_mask(state, n, m, count, device)
                 if mask is None:
@@ -242,23 +242,44 @@ class NMCompressor(Compressor):
         return payload, _Context(key, tensor.shape, tensor.dtype, tensor.device, count, mask,
                                  (n, m), squares)
 
-    def decompress(self, payload, ctx):
-        """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged."""
+    def decompress(self, payload, ctx, out: Optional[torch.Tensor] = None):
+        """Rebuild the dense tensor; ctx None (the in-runtime path) returns it unchanged.
+        `out`: a tensor of the original's shape to write the result into, and return."""
         if ctx is None:
             return payload
+        # The dense float32 result is written straight into `out` where it can be.
+        into = None
+        if out is not None:
+            if out.numel() != ctx.count:
+                raise ValueError(f"decompress: out holds {out.numel()} values, the tensor had "
+                                 f"{ctx.count}")
+            if out.dtype == torch.float32 and out.is_contiguous():
+                into = out.reshape(-1)
         if isinstance(payload, (tuple, list)):
             kept, mask = payload
+            if into is not None and into.device != kept.device:
+                into = None
             dense = scatter(kept.contiguous(), mask.to(kept.device).contiguous(), ctx.count,
-                            nm=ctx.nm)
+                            out=into, nm=ctx.nm)
         elif ctx.mask is None:
-            dense = payload.detach().to(torch.float32).reshape(-1).clone()
+            if into is not None:
+                dense = into.copy_(payload.detach().reshape(-1))
+            else:
+                dense = payload.detach().to(torch.float32).reshape(-1).clone()
         else:
             kept = payload.detach().to(ctx.mask.device).contiguous()
-            dense = scatter(kept, ctx.mask, ctx.count, nm=ctx.nm)
+            if into is not None and into.device != kept.device:
+                into = None
+            dense = scatter(kept, ctx.mask, ctx.count, out=into, nm=ctx.nm)
         if self.shared_mask and ctx.key is not None:
             with self._lock:
                 self._update_estimate(self._state(ctx.key), dense, ctx.mask)
-        return dense.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
+        result = dense.reshape(ctx.shape).to(device=ctx.device, dtype=ctx.dtype)
+        if out is None:
+            return result
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result.reshape(out.shape))
+        return out
 
     # ------------------------------------------------------------------ shared-mask bookkeeping
     def _shared_mask(self, state: _TensorState, n: int, m: int, count: int,

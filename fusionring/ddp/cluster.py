@@ -65,17 +65,24 @@ def cluster_hook(state: ClusterState, bucket: dist.GradBucket) -> torch.futures.
     size = group.size()
     buffer = bucket.buffer()
     compressor = state.compressor
-    payload, ctx = compressor.compress(buffer, name=state.key(bucket))
+    # The bucket is scratch space: its decoded average replaces it.
+    payload, ctx = compressor.compress(buffer, name=state.key(bucket), scratch=True)
     state.end_of_step(bucket)
     gathered = [torch.empty_like(payload) for _ in range(size)]
     future = dist.all_gather(gathered, payload, group=group, async_op=True).get_future()
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        total = torch.zeros(ctx.count, dtype=torch.float32, device=payload.device)
+        # summed in the bucket itself where it is float32 beside the payloads
+        in_place = (buffer.dtype == torch.float32 and buffer.is_contiguous()
+                    and buffer.device == payload.device)
+        total = buffer.reshape(-1).zero_() if in_place else torch.zeros(
+            ctx.count, dtype=torch.float32, device=payload.device)
         for part in gathered:  # rank order on every rank: the same sum everywhere
             compressor.decode_add(part, total)
-        buffer.copy_(total.div_(size).view(buffer.shape))
+        total.div_(size)
+        if not in_place:
+            buffer.copy_(total.view(buffer.shape))
         return buffer
 
     return future.then(decode)

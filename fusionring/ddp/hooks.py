@@ -133,7 +133,8 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
     buffer = bucket.buffer()
     key = state.key(bucket)
     compressor = state.compressor
-    payload, ctx = compressor.compress(buffer, name=key)
+    # The bucket is scratch space: its decoded average replaces it.
+    payload, ctx = compressor.compress(buffer, name=key, scratch=True)
     state.end_of_step(bucket)
 
     if compressor.shared_mask:
@@ -155,8 +156,7 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
                 reduced.div_(size)
             elif shift != size:
                 reduced.mul_(shift / size)
-            buffer.copy_(compressor.decompress(reduced, ctx))
-            return buffer
+            return compressor.decompress(reduced, ctx, out=buffer)
 
         return future.then(decode_shared)
 
@@ -172,11 +172,17 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
 
     def decode_gathered(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        total = torch.zeros(ctx.count, dtype=torch.float32, device=kept.device)
+        # summed in the bucket itself where it is float32 beside the values
+        in_place = (buffer.dtype == torch.float32 and buffer.is_contiguous()
+                    and buffer.device == kept.device)
+        total = buffer.reshape(-1).zero_() if in_place else torch.zeros(
+            ctx.count, dtype=torch.float32, device=kept.device)
         for part in gathered:  # rank order on every rank: the same sum everywhere
             scatter(part[mask_bytes:].view(kept.dtype), part[:mask_bytes].view(torch.int64),
                     ctx.count, out=total, accumulate=True, nm=ctx.nm)
-        buffer.copy_(total.div_(size).view(buffer.shape))
+        total.div_(size)
+        if not in_place:
+            buffer.copy_(total.view(buffer.shape))
         return buffer
 
     return future.then(decode_gathered)
