@@ -242,6 +242,45 @@ def test_bad_input_on_one_rank_fails_the_others_naming_it(tmp_path):
         assert out["seconds"] < 20  # no stall limit waited for (it is 60 s)
 
 
+REFUSED_TWICE = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+out = {"errors": []}
+def refused(rows):
+    try:
+        hvd.alltoall(torch.zeros(rows, 2), name="z")
+    except ValueError as exc:
+        out["errors"].append(str(exc))
+# Every rank refuses 'z' twice, then runs it; rank 0 refuses twice at once, while its first
+# refusal still waits for the others, and the others settle their first before their second.
+if r != 0:
+    time.sleep(1.0)
+refused(2 * hvd.size() + 1)
+if r != 0:
+    time.sleep(1.0)
+refused(2 * hvd.size() + 2)
+try:
+    out["z"] = hvd.alltoall(torch.full((hvd.size(),), float(r)), name="z").tolist()
+except Exception as exc:
+    out["z"] = f"{type(exc).__name__}: {exc}"
+out["end"] = hvd.allreduce(torch.ones(1), name="end", op=hvd.Sum).tolist()
+report(out)
+'''
+
+
+def test_a_name_refused_again_meets_the_others_refusals_in_order(tmp_path):
+    """Two refusals of one name, made at different paces on different ranks, are matched
+    one for one: the operation that follows them meets the others' operation, not a
+    refusal of theirs (rank 0's second refusal was once folded into its first)."""
+    results = run_ranks(3, REFUSED_TWICE, tmp_path, timeout=60)
+    for out in results:
+        assert len(out["errors"]) == 2 and all("alltoall 'z'" in e for e in out["errors"])
+        assert out["z"] == [0.0, 1.0, 2.0]
+        assert out["end"] == [3.0]
+
+
 EARLY_EXIT = r'''
 import time, torch
 import fusionring.torch as hvd

@@ -165,7 +165,9 @@ class Runtime:
         self._shutdown_requested = False
         self._shutdown_reason: Optional[str] = None
         self._farewell_pending = False  # see _abort_after_agreement
-        self._refusals = 0  # refusals in flight (see refuse)
+        self._refusals = 0  # refusals in flight or deferred (see refuse)
+        # Refusals of a name whose earlier refusal is still in flight, oldest first.
+        self._deferred_refusals: Dict[str, collections.deque] = {}
         self._failure: Optional[BaseException] = None
         self._last_stall_check = time.monotonic()
         self._last_stall_warning: Optional[float] = None
@@ -254,22 +256,31 @@ class Runtime:
         """Tell the other ranks that this rank refused the operations `names` (bad input,
         raised to its own caller): their matching operations then fail naming this rank and
         `reason` instead of waiting for it. Nothing is sent with one rank, after a failure
-        or shutdown, or for a name already in flight (the others match that one)."""
+        or shutdown, or for a name already in flight as an operation (the others match that
+        one). A name refused again while its earlier refusal is unsettled queues behind it:
+        every rank's refusals and operations of one name then meet in the order each rank
+        made them, however far apart the ranks run."""
         if self.size == 1 or os.getpid() != self._pid:
             return
         with self._lock:
             if self._failure is not None or self._shutdown_requested:
                 return
             for name in names:
-                if name not in self._in_flight:
-                    spec = TensorSpec(kind, "", (), refused=reason)
-                    self._enqueue(Request(name, spec, _NOTHING, None), burst=False)
-                    self._refusals += 1
+                pending = self._in_flight.get(name)
+                if pending is not None and not pending.spec.refused:
+                    continue
+                refusal = Request(name, TensorSpec(kind, "", (), refused=reason), _NOTHING, None)
+                self._refusals += 1
+                if pending is None:
+                    self._enqueue(refusal, burst=False)
+                else:
+                    self._deferred_refusals.setdefault(name, collections.deque()).append(refusal)
 
     def _refused_in_flight(self, requests: List[Request]) -> Optional[Request]:
         # Under the lock. A name refused here a moment ago may be submitted again at once
         # (a caller that caught the error and retries): it waits until the refusal is
-        # settled, which takes one round once every rank has submitted the name.
+        # settled, which takes one round once every rank has submitted the name (and so does
+        # each refusal of the name queued behind it, see refuse).
         if not self._refusals:
             return None
         for request in requests:
@@ -529,6 +540,11 @@ class Runtime:
                 del self._in_flight[request.name]
                 if request.spec.refused:
                     self._refusals -= 1
+                    deferred = self._deferred_refusals.get(request.name)
+                    if deferred:  # the name's next refusal goes now, before any retry of it
+                        self._enqueue(deferred.popleft(), burst=False)
+                        if not deferred:
+                            del self._deferred_refusals[request.name]
             if request.spec.refused:  # nobody waits for a refusal's handle
                 self._handles.pop(request.handle, None)
         request.done.set()
@@ -537,6 +553,8 @@ class Runtime:
         with self._lock:
             self._failure = error
             self._queue = []
+            self._refusals -= sum(len(d) for d in self._deferred_refusals.values())
+            self._deferred_refusals.clear()
             unfinished = list(self._in_flight.values())
         self._scheduler.reset()
         self._pending.clear()
