@@ -255,22 +255,20 @@ class NMCompressor(Compressor):
                                  f"{ctx.count}")
             if out.dtype == torch.float32 and out.is_contiguous():
                 into = out.reshape(-1)
-        if isinstance(payload, (tuple, list)):
-            kept, mask = payload
-            if into is not None and into.device != kept.device:
-                into = None
-            dense = scatter(kept.contiguous(), mask.to(kept.device).contiguous(), ctx.count,
-                            out=into, nm=ctx.nm)
-        elif ctx.mask is None:
+        if ctx.mask is None and not isinstance(payload, (tuple, list)):  # sent dense
             if into is not None:
                 dense = into.copy_(payload.detach().reshape(-1))
             else:
                 dense = payload.detach().to(torch.float32).reshape(-1).clone()
         else:
-            kept = payload.detach().to(ctx.mask.device).contiguous()
+            if isinstance(payload, (tuple, list)):  # per-rank: the mask travels along
+                kept, mask = payload
+                mask = mask.to(kept.device)
+            else:
+                kept, mask = payload.detach().to(ctx.mask.device), ctx.mask
             if into is not None and into.device != kept.device:
                 into = None
-            dense = scatter(kept, ctx.mask, ctx.count, out=into, nm=ctx.nm)
+            dense = scatter(kept.contiguous(), mask.contiguous(), ctx.count, out=into, nm=ctx.nm)
         if self.shared_mask and ctx.key is not None:
             with self._lock:
                 self._update_estimate(self._state(ctx.key), dense, ctx.mask)

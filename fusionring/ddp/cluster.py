@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import ClusterCompressor
-from .state import HookState
+from .state import HookState, mean_into_bucket
 
 
 class ClusterState(HookState):
@@ -73,16 +73,7 @@ def cluster_hook(state: ClusterState, bucket: dist.GradBucket) -> torch.futures.
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        # summed in the bucket itself where it is float32 beside the payloads
-        in_place = (buffer.dtype == torch.float32 and buffer.is_contiguous()
-                    and buffer.device == payload.device)
-        total = buffer.reshape(-1).zero_() if in_place else torch.zeros(
-            ctx.count, dtype=torch.float32, device=payload.device)
-        for part in gathered:  # rank order on every rank: the same sum everywhere
-            compressor.decode_add(part, total)
-        total.div_(size)
-        if not in_place:
-            buffer.copy_(total.view(buffer.shape))
-        return buffer
+        return mean_into_bucket(buffer, gathered, compressor.decode_add, ctx.count,
+                                payload.device)
 
     return future.then(decode)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 # decoding the gathered per-rank buckets.
 from ..compression import AdaptiveSchedule, NMCompressor, StepSchedule
 from ..compression.nm_kernels import scatter
-from .state import HookState, bucket_key
+from .state import HookState, bucket_key, mean_into_bucket
 
 __all__ = ["HookState", "NMState", "nm_hook", "ClusterState", "cluster_hook",
            "LayerSelectionState", "layer_selection_hook", "bucket_key"]
@@ -170,20 +170,13 @@ def nm_hook(state: NMState, bucket: dist.GradBucket) -> torch.futures.Future[tor
         compressor, ctx, group,
         dist.all_gather(gathered, packed, group=group, async_op=True).get_future(), buffer.device)
 
+    def add(part: torch.Tensor, total: torch.Tensor) -> None:
+        scatter(part[mask_bytes:].view(kept.dtype), part[:mask_bytes].view(torch.int64),
+                ctx.count, out=total, accumulate=True, nm=ctx.nm)
+
     def decode_gathered(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        # summed in the bucket itself where it is float32 beside the values
-        in_place = (buffer.dtype == torch.float32 and buffer.is_contiguous()
-                    and buffer.device == kept.device)
-        total = buffer.reshape(-1).zero_() if in_place else torch.zeros(
-            ctx.count, dtype=torch.float32, device=kept.device)
-        for part in gathered:  # rank order on every rank: the same sum everywhere
-            scatter(part[mask_bytes:].view(kept.dtype), part[:mask_bytes].view(torch.int64),
-                    ctx.count, out=total, accumulate=True, nm=ctx.nm)
-        total.div_(size)
-        if not in_place:
-            buffer.copy_(total.view(buffer.shape))
-        return buffer
+        return mean_into_bucket(buffer, gathered, add, ctx.count, kept.device)
 
     return future.then(decode_gathered)
 

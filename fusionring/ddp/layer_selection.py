@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..selection import (HyperSelector, LayerSelection, LayerSelector, NormSelector,
-                         RandomSelector, RoundRobinSelector)
+from ..selection import (HyperSelector, LayerSelector, NormSelector, RandomSelector,
+                         RoundRobinSelector)
 from .state import HookState
 
 # Names accepted for `selection`, with the class each builds (fraction 0.25, as `hyper`'s default).

@@ -9,7 +9,7 @@ this base class makes the whole state picklable (``torch.save(state)``) and give
 """
 import weakref
 import zlib
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,24 @@ def bucket_key(bucket: dist.GradBucket, places: Optional[Sequence[int]] = None) 
     if places is not None:
         described += "@" + ",".join(map(str, places))
     return f"{bucket.index()}:{bucket.buffer().numel()}:{zlib.crc32(described.encode()):08x}"
+
+
+def mean_into_bucket(buffer: torch.Tensor, parts: Sequence[torch.Tensor],
+                     add: Callable[[torch.Tensor, torch.Tensor], None], count: int,
+                     device: torch.device) -> torch.Tensor:
+    """Average the ranks' gathered payloads into the bucket: ``add(part, total)`` decodes one
+    part onto a float32 total of `count` values on `device`, in rank order on every rank (so
+    every replica gets the same bits). The total is the bucket itself where it is float32,
+    contiguous and on `device`, else a temporary copied into it. Returns the bucket."""
+    in_place = buffer.dtype == torch.float32 and buffer.is_contiguous() and buffer.device == device
+    total = buffer.reshape(-1).zero_() if in_place else torch.zeros(
+        count, dtype=torch.float32, device=device)
+    for part in parts:
+        add(part, total)
+    total.div_(len(parts))
+    if not in_place:
+        buffer.copy_(total.view(buffer.shape))
+    return buffer
 
 
 class HookState:
