@@ -57,6 +57,7 @@ class TensorSpec:
     compression: str = ""     # a compressor that runs inside the runtime
     detail: str = ""          # anything else that must agree (e.g. a fusion plan's digest)
     device: str = ""          # "cuda": on the GPU over NCCL; "": through host memory
+    group: int = 0            # tensors in its grouped operation (grouped_allreduce...); 0: alone
     # Why this rank could not take part (bad input, raised to its own caller): the others'
     # matching operation then fails naming it instead of waiting for it.
     refused: str = ""
@@ -68,7 +69,7 @@ class TensorSpec:
                  else self.shape)
         ndim = len(self.shape)
         return (self.kind, self.dtype, ndim, shape, self.op, self.root, self.prescale,
-                self.postscale, self.compression, self.detail, self.device)
+                self.postscale, self.compression, self.detail, self.device, self.group)
 
 
 @dataclasses.dataclass
@@ -126,7 +127,8 @@ def _field_values(spec: TensorSpec,
         shape_field = ("shape (all but the first dimension)", [*shape[1:]] if shape else [])
     else:
         shape_field = ("shape", shape)
-    return [("operation", spec.kind), ("dtype", spec.dtype), ("rank of the tensor", len(shape)),
+    return [("operation", spec.kind), ("number of tensors in the group", spec.group or 1),
+            ("dtype", spec.dtype), ("rank of the tensor", len(shape)),
             shape_field, ("op", spec.op), ("root rank", _global(spec.root, global_ranks)),
             ("prescale factor", spec.prescale), ("postscale factor", spec.postscale),
             ("compression", spec.compression or "none"), ("configuration", spec.detail),

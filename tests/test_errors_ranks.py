@@ -281,6 +281,48 @@ def test_a_name_refused_again_meets_the_others_refusals_in_order(tmp_path):
         assert out["end"] == [3.0]
 
 
+GROUPED_DIFFERENTLY = r'''
+import time, torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+out = {}
+started = time.monotonic()
+def attempt(label, fn):
+    try:
+        out[label] = fn()
+    except Exception as exc:
+        out[label] = f"{type(exc).__name__}: {exc}"
+count = 2 if r == 2 else 3  # rank 2 groups one tensor fewer
+attempt("allreduce", lambda: [t.tolist() for t in hvd.grouped_allreduce(
+    [torch.ones(2) * (i + 1) for i in range(count)], name="ga", op=hvd.Sum)])
+attempt("allgather", lambda: [t.tolist() for t in hvd.grouped_allgather(
+    [torch.ones(1)] * (1 if r == 0 else 2), name="gg")])
+attempt("async", lambda: [t.tolist() for t in hvd.synchronize(hvd.grouped_allreduce_async(
+    [torch.ones(1)] * count, name="gs"))])
+# The same call with agreeing counts then works, under the same names.
+attempt("again", lambda: [t.tolist() for t in hvd.grouped_allreduce(
+    [torch.ones(2) * (i + 1) for i in range(3)], name="ga", op=hvd.Sum)])
+out["seconds"] = time.monotonic() - started
+report(out)
+'''
+
+
+def test_ranks_that_group_differently_fail_at_once_naming_the_counts(tmp_path):
+    """A grouped operation with a different number of tensors on some ranks fails on every
+    rank, naming who sent how many, instead of waiting forever for the members only some
+    ranks sent; the rest of each rank's group is withdrawn with it."""
+    results = run_ranks(3, GROUPED_DIFFERENTLY, tmp_path, timeout=60)
+    for out in results:
+        assert out["allreduce"] == ("TensorMismatchError: allreduce 'ga.0': ranks 0, 1 sent "
+                                    "number of tensors in the group 3, rank 2 sent 2")
+        assert out["allgather"] == ("TensorMismatchError: allgather 'gg.0': rank 0 sent number "
+                                    "of tensors in the group 1, ranks 1, 2 sent 2")
+        assert out["async"].startswith("TensorMismatchError: allreduce 'gs.0': ranks 0, 1 sent")
+        assert out["again"] == [[3.0, 3.0], [6.0, 6.0], [9.0, 9.0]]
+        assert out["seconds"] < 20  # no stall limit waited for
+
+
 EARLY_EXIT = r'''
 import time, torch
 import fusionring.torch as hvd

@@ -3,6 +3,7 @@ and collectives out, handles completed. One Runtime per process (and per process
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -250,6 +251,10 @@ class Runtime:
             group = next(self._group_submissions)
             for place, request in enumerate(requests):
                 request.group_place = (group, place)
+                # Every member carries the group's size, so ranks that group differently
+                # fail at once on the first name they share, instead of waiting forever for
+                # members only some of them sent.
+                request.spec = dataclasses.replace(request.spec, group=len(requests))
             return [self._enqueue(request, burst) for request in requests]
 
     def refuse(self, names: Sequence[str], kind: str, reason: str) -> None:
@@ -549,6 +554,19 @@ class Runtime:
                 self._handles.pop(request.handle, None)
         request.done.set()
 
+    def _withdraw_group(self, failed: Request, message: str, outcome) -> None:
+        """A member of a group failed negotiation: its siblings still waiting here fail with
+        it (the caller's one handle has failed), unless agreed this cycle, which every rank
+        then runs. Ranks that grouped differently withdraw theirs alike: each saw the error."""
+        group = failed.group_place[0]
+        agreed = {item.name for item in outcome.ready}
+        siblings = [name for name, request in self._pending.items()
+                    if request.group_place is not None and request.group_place[0] == group
+                    and name not in agreed and name not in outcome.errors]
+        for name in siblings:
+            self._complete(self._pending.pop(name), TensorMismatchError(
+                f"{message} (withdrawn with the rest of its group)"))
+
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
             self._failure = error
@@ -624,7 +642,10 @@ class Runtime:
                     return
                 for name, message in outcome.errors.items():
                     if name in self._pending:  # a joined rank has no request of its own
-                        self._complete(self._pending.pop(name), TensorMismatchError(message))
+                        failed = self._pending.pop(name)
+                        self._complete(failed, TensorMismatchError(message))
+                        if failed.group_place is not None:
+                            self._withdraw_group(failed, message, outcome)
                 ready = []
                 for item in outcome.ready:
                     request = self._pending.pop(item.name, None)
