@@ -5,8 +5,8 @@
 The suite is the user's copy (fusionring ships none of Horovod's code). It is copied with
 its helper module (``common.py``, found beside it or in ``../utils/``, or given with
 ``--helper``) into a temporary directory, where ``import horovod.torch as hvd`` becomes
-``import fusionring.torch as hvd`` (and ``from horovod.torch.mpi_ops import ...`` imports
-fusionring's module of that name), and the helper's imports that need Horovod's launcher
+``import fusionring.torch as hvd`` (and ``from horovod.torch.mpi_ops import ...`` or
+``from horovod.common.util import ...`` imports fusionring's module of that name), and the helper's imports that need Horovod's launcher
 (``horovod.runner.util.threads``) or the ``mock`` package become optional. Every test then
 runs alone in its own ``mpiexec -n N`` (so a failure cannot cascade into the next test),
 under a time limit (a hang counts as a failure, "timeout"). Each rank writes its own
@@ -92,9 +92,10 @@ def prepare(test_file: Path, helper: Path, workdir: Path) -> Path:
                                "import fusionring.torch as hvd", source, flags=re.M)
     if count == 0:
         raise SystemExit(f"{test_file}: no line 'import horovod.torch as hvd' to rewrite")
-    # Other imports of Horovod's torch modules by name (`from horovod.torch.mpi_ops import
-    # synchronize`) get fusionring's module of the same name.
-    rewritten = re.sub(r"^(\s*from\s+)horovod\.torch\b", r"\1fusionring.torch",
+    # Other imports of Horovod's torch and common modules by name (`from
+    # horovod.torch.mpi_ops import synchronize`, `from horovod.common.util import env`) get
+    # fusionring's module of the same name.
+    rewritten = re.sub(r"^(\s*from\s+)horovod\.(torch|common)\b", r"\1fusionring.\2",
                        rewritten, flags=re.M)
     target = workdir / test_file.name
     target.write_text(rewritten)

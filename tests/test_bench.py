@@ -135,6 +135,21 @@ def test_the_adasum_benchmark_times_every_dtype_and_writes_its_page(tmp_path):
     assert "python scripts/bench_adasum.py --ranks 2" in page and (tmp_path / "adasum.png").exists()
 
 
+def test_the_many_tensors_benchmark_times_every_contender_and_writes_its_page(tmp_path):
+    mpiexec_path()  # skips without MPI
+    doc = tmp_path / "many.md"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_many_tensors.py"), "-np", "2",
+               "--tensors", "30", "--numel", "8", "--steps", "6", "--rounds", "1",
+               "--tree", f"here={ROOT}", "--output", str(doc)]
+    done = subprocess.run(command, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    page = doc.read_text()
+    for row in ("fusionring (here)", "ddp", "none (1 rank, no communication)"):
+        assert f"| {row} |" in page, page
+    assert "| ddp | " in page and "| 1.00 |" in page
+    assert "python scripts/bench_many_tensors.py -np 2" in page and (tmp_path / "many.png").exists()
+
+
 def test_benchmark_pages_share_one_table_and_one_kept_section_helper(tmp_path):
     """fusionring bench's page and the scripts' pages go through the same helpers."""
     from fusionring.bench import util

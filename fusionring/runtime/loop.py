@@ -236,6 +236,17 @@ class Runtime:
                     return self._enqueue(request, burst)
             self._await_refusal(refused)
 
+    def submit_many(self, requests: List[Request], burst: bool = False) -> List[int]:
+        """Queue several independent requests (each negotiated on its own, as with submit)
+        under one hold of the lock; returns their handles. A name that is in flight or
+        repeated raises ValueError before anything is queued."""
+        self._check_process()
+        with self._lock:
+            if not self._refusals or self._refused_in_flight(requests) is None:
+                self._check_submittable(requests)
+                return [self._enqueue(request, burst) for request in requests]
+        return [self.submit(request, burst) for request in requests]  # waits out a refusal
+
     def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
         """Queue several requests at once (a grouped collective), so the loop negotiates and
         fuses them together; returns their handles. Nothing is queued when one fails."""

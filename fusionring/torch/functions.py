@@ -380,10 +380,28 @@ def _compressor(compression: Any) -> Any:
     return built
 
 
+# What a plain allreduce (a CPU tensor, a reducible real dtype, no compressor, not Adasum)
+# resolves to, by (dtype, shape, op, prescale, postscale, world size): (spec, core op,
+# core prescale, core postscale). A gradient is reduced with the same arguments every step,
+# and every check behind an entry depends only on its key.
+_plain_allreduces: Dict[tuple, Tuple[TensorSpec, int, float, float]] = {}
+
+
 def _allreduce_request(tensor: torch.Tensor, name: Optional[str], full: str, op, average,
                        prescale_factor: float, postscale_factor: float,
                        in_place: bool, compression=None) -> Request:
     runtime = _rt.get("allreduce")
+    key = None
+    if (compression is None and average is None and isinstance(tensor, torch.Tensor)
+            and tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
+            and type(prescale_factor) is float and type(postscale_factor) is float):
+        key = (tensor.dtype, tensor.shape, op, prescale_factor, postscale_factor, runtime.size)
+        plain = _plain_allreduces.get(key)
+        if plain is not None:  # every gradient of every step after the first comes this way
+            spec, core_op, pre, post = plain
+            host = tensor.detach() if tensor.requires_grad else tensor
+            return Request(full, spec, host, host if in_place else host.clone(),
+                           core_op=core_op, prescale=pre, postscale=post)
     reduce_op = resolve_op(op, average)
     core_op, pre, post = core_reduction(reduce_op, prescale_factor, postscale_factor, runtime.size)
     # Compressors that reduce inside the runtime (their own collective on the fused
@@ -410,6 +428,11 @@ def _allreduce_request(tensor: torch.Tensor, name: Optional[str], full: str, op,
     spec = _allreduce_spec(tensor.dtype, tuple(tensor.shape), reduce_op, float(prescale_factor),
                            float(postscale_factor), caps.name if in_runtime else "",
                            DEVICE if on_device else "")
+    if (key is not None and reduce_op != ReduceOp.Adasum and not tensor.is_complex()
+            and isinstance(op, (ReduceOp, type(None)))):
+        if len(_plain_allreduces) >= 4096:  # shapes that never repeat: start again
+            _plain_allreduces.clear()
+        _plain_allreduces[key] = (spec, core_op, pre, post)
     return Request(full, spec, host, output, core_op=core_op, prescale=pre, postscale=post,
                    communicator=compression.communicate if in_runtime else None,
                    ready_event=ready_event(host) if on_device else None)
@@ -514,6 +537,35 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: Optional[str] = N
         _refuse("allreduce", [full], exc)
         raise
     return _register(_submit([request]), _finish_into([tensor], single=True))
+
+
+def allreduce_many_async_(tensors: Sequence[torch.Tensor], names: Sequence[str], op=None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0
+                          ) -> Tuple[List[int], Optional[BaseException]]:
+    """Start an in-place allreduce of each of `tensors` under its name in `names` on the
+    routed runtime, as that many allreduce_async_ calls would (each negotiated and waited
+    for on its own), queued at once: the gradients of a backward pass.
+
+    Returns the handles of those started and, when one was refused (bad input, told to the
+    other ranks as allreduce_async_ does), its error: the ones before it are started, the
+    rest are not, and the caller raises it once it has kept the handles.
+    """
+    requests: List[Request] = []
+    error = None
+    for tensor, name in zip(tensors, names):
+        full = f"allreduce.{name}"
+        try:
+            requests.append(_allreduce_request(tensor, name, full, op, None, prescale_factor,
+                                               postscale_factor, in_place=True))
+        except _REFUSALS as exc:
+            _refuse("allreduce", [full], exc)
+            error = exc
+            break
+    if not requests:
+        return [], error
+    handles = _rt.get("allreduce").submit_many(requests, burst=_rt.in_burst())
+    return [_register([h], _finish_into([t], single=True))
+            for h, t in zip(handles, tensors)], error
 
 
 def _needs_grad(tensor: torch.Tensor) -> bool:

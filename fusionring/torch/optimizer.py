@@ -37,6 +37,13 @@ _SPARSE = object()  # ctx of a sparse gradient reduced by allgather
 # (after changing requires_grad, or with a new optimizer for a second phase) hands it to the
 # new wrapper, instead of both submitting its gradient under one name.
 _HOOKED: Dict[int, Tuple[Any, Any, Any]] = {}
+# A small gradient's submission waits in the hook until a few more are ready (or a large one,
+# or the step's last, or synchronize()): they are then submitted together. Submitted one per
+# hook, each paid the submission path's Python on caches the backward pass had just evicted
+# (docs/architecture.md; scripts/bench_many_tensors.py).
+_DEFER_COUNT = 32
+_DEFER_BYTES = 1 << 16
+_DEFERRED = object()  # ctx of a gradient whose submission is deferred (see _defer)
 _TOO_MANY_BACKWARDS = ("Gradients were computed more than backward_passes_per_step times before "
                        "call to step(). Increase backward_passes_per_step to accumulate gradients "
                        "locally.")
@@ -186,6 +193,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._requires_update}
         self._burst_left = len(self._requires_update)  # gradients of this step not yet submitted
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], object]] = {}
+        self._deferred: List[torch.Tensor] = []  # ready, submission deferred (see _defer)
+        self._deferred_bytes = 0
         # Each parameter's last compressed payload, reused by compressors with compress_into.
         self._wire_buffers: Dict[torch.Tensor, torch.Tensor] = {}
         self._synchronized = False
@@ -424,6 +433,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [q for q in self._requires_update if q is not p]
         self._allreduce_delay.pop(p, None)
         self._handles.pop(p, None)
+        if p in self._deferred:
+            self._deferred.remove(p)
         self._reset_delays()
 
     # ------------------------------------------------------------------ gradient flow
@@ -450,15 +461,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._ready_order is not None:
             self._ready_order.append(p)
         self._into_group_buffer(p)
-        if p in self._handles and self._handles[p][0] is not None:
+        if p in self._handles and (self._handles[p][0] is not None
+                                   or self._handles[p][1] is _DEFERRED):
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY_BACKWARDS)
         self._allreduce_delay[p] -= 1
-        handle, ctx = None, None
         if self._allreduce_delay[p] == 0:
-            handle, ctx = self._allreduce_grad_async(p)
-            self._submitted(1)
-        self._handles[p] = (handle, ctx)
+            self._defer(p)
+        else:
+            self._handles[p] = (None, None)
+
+    def _defer(self, p: torch.Tensor) -> None:
+        """Queue `p`'s submission, and submit the queue once it is long or large enough, or
+        holds the step's last gradient. Its name is what the other ranks match, so when each
+        rank submits makes no difference to the sums."""
+        self._handles[p] = (None, _DEFERRED)
+        self._deferred.append(p)
+        grad = p.grad
+        if self._adasum or grad.is_sparse:
+            self._deferred_bytes = _DEFER_BYTES  # its own path: submitted at once
+        else:
+            self._deferred_bytes += grad.numel() * grad.element_size()
+        if (self._deferred_bytes >= _DEFER_BYTES or len(self._deferred) >= _DEFER_COUNT
+                or len(self._deferred) == self._burst_left):
+            self._submit_deferred()
+
+    def _submit_deferred(self) -> None:
+        """Submit every deferred gradient, in the order they became ready."""
+        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        if not deferred:
+            return
+        with _rt.burst(self._set_runtime):
+            if self._caps.identity and not self._adasum and not any(
+                    p.grad.is_sparse for p in deferred):  # the common case: queued at once
+                self._submit_plain(deferred)
+            else:
+                for p in deferred:
+                    self._handles[p] = self._submit_grad(p)
+        self._submitted(len(deferred))
+
+    def _submit_plain(self, params: List[torch.Tensor]) -> None:
+        """Submit the dense gradients of `params` uncompressed, in one batch."""
+        prescale, postscale = self._scale_factors()
+        names = self._parameter_names
+        handles, error = F.allreduce_many_async_(
+            [p.grad for p in params], [names[p] for p in params], op=self._op,
+            prescale_factor=prescale, postscale_factor=postscale)
+        for p, handle in zip(params, handles):
+            self._handles[p] = (handle, None)
+        if error is not None:
+            raise error
 
     def _unit_member_ready(self, unit: _Unit, p: torch.Tensor) -> None:
         """Count `p` in its unit, and submit the unit when it was the last member."""
@@ -638,6 +690,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._unit_member_ready(unit, p)
                 else:
                     self._handles[p] = self._allreduce_grad_async(p)
+        self._submit_deferred()
         for p, (handle, ctx) in list(self._handles.items()):
             if isinstance(ctx, _Unit):
                 self._unit_member_ready(ctx, p)  # accumulating still: sent as it is
@@ -822,6 +875,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # As Horovod: the step starts afresh, so a checkpoint loaded between two accumulated
         # backward passes does not count the one before it. Reductions in flight are waited
         # for (the other ranks started them too) and their results dropped.
+        self._submit_deferred()  # deferred here may be submitted on the others
         for handle, ctx in list(self._handles.values()):
             pending = ctx.handle if isinstance(ctx, _Unit) else handle
             if pending is not None:
