@@ -553,7 +553,7 @@ def allreduce_many_async_(tensors: Sequence[torch.Tensor], names: Sequence[str],
     requests: List[Request] = []
     error = None
     for tensor, name in zip(tensors, names):
-        full = f"allreduce.{name}"
+        full = _full_name("allreduce", name)
         try:
             requests.append(_allreduce_request(tensor, name, full, op, None, prescale_factor,
                                                postscale_factor, in_place=True))

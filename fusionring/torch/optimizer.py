@@ -433,8 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [q for q in self._requires_update if q is not p]
         self._allreduce_delay.pop(p, None)
         self._handles.pop(p, None)
-        if p in self._deferred:
-            self._deferred.remove(p)
+        self._deferred = [q for q in self._deferred if q is not p]  # by identity: tensors
         self._reset_delays()
 
     # ------------------------------------------------------------------ gradient flow
@@ -461,8 +460,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._ready_order is not None:
             self._ready_order.append(p)
         self._into_group_buffer(p)
-        if p in self._handles and (self._handles[p][0] is not None
-                                   or self._handles[p][1] is _DEFERRED):
+        entry = self._handles.get(p)
+        if entry is not None and (entry[0] is not None or entry[1] is _DEFERRED):
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY_BACKWARDS)
         self._allreduce_delay[p] -= 1
