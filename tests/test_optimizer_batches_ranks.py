@@ -103,3 +103,69 @@ def test_a_mismatch_inside_a_batch_fails_every_rank_naming_the_gradient(tmp_path
         assert out["error"] is not None and "w20" in out["error"], out
         assert "8" in out["error"] and "9" in out["error"], out
         assert out["after"] == 0.5, out
+
+
+IN_FLIGHT = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+ps = [torch.nn.Parameter(torch.full((8,), float(i))) for i in range(40)]
+opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1),
+                               named_parameters=[(f"w{i}", p) for i, p in enumerate(ps)])
+# An allreduce of the user's own under the name one gradient is reduced by.
+held = hvd.allreduce_async_(torch.full((3,), float(r + 1)), name="w5")
+error = None
+try:
+    opt.zero_grad()
+    sum((p * (r + 1)).sum() for p in ps).backward()
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+mine = hvd.synchronize(held).tolist()
+opt.step()  # what the failed pass left is reduced; nothing waits for what was never sent
+first = [p.detach().clone() for p in ps]
+everyone = hvd.allgather(torch.stack(first).unsqueeze(0), name="first")
+opt.zero_grad()
+sum((p * (r + 1)).sum() for p in ps).backward()
+opt.step()
+# The second step is a whole one: each gradient is the average of (r + 1), 1.5.
+moved = max((a - b).abs().sub(0.15).abs().max().item() for a, b in zip(first, ps))
+report(dict(error=error, mine=mine, same=bool((everyone[0] == everyone[1]).all()),
+            moved=moved))
+'''
+
+
+def test_a_gradient_whose_name_is_in_flight_fails_and_the_optimizer_recovers(tmp_path):
+    for out in run_ranks(2, IN_FLIGHT, tmp_path, timeout=60):
+        assert out["error"] is not None and "w5" in out["error"], out
+        assert "in flight" in out["error"], out
+        assert out["mine"] == [1.5, 1.5, 1.5], out
+        assert out["same"], out
+        assert out["moved"] < 1e-5, out
+
+
+HANDED_OVER = r'''
+import torch
+import fusionring.torch as hvd
+hvd.init()
+r = hvd.rank()
+torch.manual_seed(0)
+ps = [torch.nn.Parameter(torch.randn(8)) for i in range(10)]
+named = [(f"v{i}", p) for i, p in enumerate(ps)]
+old = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), named_parameters=named)
+# One parameter unused: the others stay queued after the pass (sent at synchronize()).
+sum((p * (r + 1)).sum() for p in ps[:-1]).backward()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), named_parameters=named)
+start = [p.detach().clone() for p in ps]
+for p in ps:
+    p.grad = None
+sum((p * (r + 1)).sum() for p in ps).backward()
+opt.step()
+moved = max((a - b).abs().sub(0.15).abs().max().item() for a, b in zip(start, ps))
+report(dict(moved=moved))
+'''
+
+
+def test_a_newer_optimizer_takes_over_parameters_whose_gradients_are_queued(tmp_path):
+    for out in run_ranks(2, HANDED_OVER, tmp_path, timeout=60):
+        assert out["moved"] < 1e-5, out

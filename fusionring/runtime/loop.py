@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -236,16 +236,30 @@ class Runtime:
                     return self._enqueue(request, burst)
             self._await_refusal(refused)
 
-    def submit_many(self, requests: List[Request], burst: bool = False) -> List[int]:
+    def submit_many(self, requests: List[Request], burst: bool = False
+                    ) -> Tuple[List[int], Optional[ValueError]]:
         """Queue several independent requests (each negotiated on its own, as with submit)
-        under one hold of the lock; returns their handles. A name that is in flight or
-        repeated raises ValueError before anything is queued."""
+        under one hold of the lock. Returns the handles of those queued and, when one's name
+        is in flight or repeated, its error: the ones before it are queued, it and the rest
+        are not, as that many submit() calls would leave them."""
         self._check_process()
         with self._lock:
             if not self._refusals or self._refused_in_flight(requests) is None:
-                self._check_submittable(requests)
-                return [self._enqueue(request, burst) for request in requests]
-        return [self.submit(request, burst) for request in requests]  # waits out a refusal
+                handles: List[int] = []
+                for request in requests:
+                    try:
+                        self._check_submittable([request])
+                    except ValueError as exc:
+                        return handles, exc
+                    handles.append(self._enqueue(request, burst))
+                return handles, None
+        handles = []
+        for request in requests:  # waits out a refusal
+            try:
+                handles.append(self.submit(request, burst))
+            except ValueError as exc:
+                return handles, exc
+        return handles, None
 
     def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
         """Queue several requests at once (a grouped collective), so the loop negotiates and

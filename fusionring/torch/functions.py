@@ -547,8 +547,8 @@ def allreduce_many_async_(tensors: Sequence[torch.Tensor], names: Sequence[str],
     for on its own), queued at once: the gradients of a backward pass.
 
     Returns the handles of those started and, when one was refused (bad input, told to the
-    other ranks as allreduce_async_ does), its error: the ones before it are started, the
-    rest are not, and the caller raises it once it has kept the handles.
+    other ranks as allreduce_async_ does, or a name in flight), its error: the ones before it
+    are started, the rest are not, and the caller raises it once it has kept the handles.
     """
     requests: List[Request] = []
     error = None
@@ -563,9 +563,9 @@ def allreduce_many_async_(tensors: Sequence[torch.Tensor], names: Sequence[str],
             break
     if not requests:
         return [], error
-    handles = _rt.get("allreduce").submit_many(requests, burst=_rt.in_burst())
+    handles, in_flight = _rt.get("allreduce").submit_many(requests, burst=_rt.in_burst())
     return [_register([h], _finish_into([t], single=True))
-            for h, t in zip(handles, tensors)], error
+            for h, t in zip(handles, tensors)], in_flight or error
 
 
 def _needs_grad(tensor: torch.Tensor) -> bool:
