@@ -243,22 +243,18 @@ class Runtime:
         is in flight or repeated, its error: the ones before it are queued, it and the rest
         are not, as that many submit() calls would leave them."""
         self._check_process()
-        with self._lock:
-            if not self._refusals or self._refused_in_flight(requests) is None:
-                handles: List[int] = []
-                for request in requests:
-                    try:
+        handles: List[int] = []
+        try:
+            with self._lock:
+                if not self._refusals or self._refused_in_flight(requests) is None:
+                    for request in requests:
                         self._check_submittable([request])
-                    except ValueError as exc:
-                        return handles, exc
-                    handles.append(self._enqueue(request, burst))
-                return handles, None
-        handles = []
-        for request in requests:  # waits out a refusal
-            try:
+                        handles.append(self._enqueue(request, burst))
+                    return handles, None
+            for request in requests:  # waits out a refusal
                 handles.append(self.submit(request, burst))
-            except ValueError as exc:
-                return handles, exc
+        except ValueError as exc:
+            return handles, exc
         return handles, None
 
     def submit_group(self, requests: List[Request], burst: bool = False) -> List[int]:
