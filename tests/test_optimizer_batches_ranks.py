@@ -108,12 +108,16 @@ def test_a_mismatch_inside_a_batch_fails_every_rank_naming_the_gradient(tmp_path
 IN_FLIGHT = r'''
 import torch
 import fusionring.torch as hvd
+from fusionring import state
 hvd.init()
 r = hvd.rank()
 ps = [torch.nn.Parameter(torch.full((8,), float(i))) for i in range(40)]
 opt = hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1),
                                named_parameters=[(f"w{i}", p) for i, p in enumerate(ps)])
-# An allreduce of the user's own under the name one gradient is reduced by.
+# An allreduce of the user's own under the name one gradient is reduced by, kept in flight
+# through the backward pass: a fusion group holds it until "hold" is submitted too.
+runtime = state.get()
+runtime.set_fusion_groups([["allreduce.w5", "allreduce.hold"]], label="hold")
 held = hvd.allreduce_async_(torch.full((3,), float(r + 1)), name="w5")
 error = None
 try:
@@ -121,7 +125,10 @@ try:
     sum((p * (r + 1)).sum() for p in ps).backward()
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
+hold = hvd.allreduce_async_(torch.zeros(1), name="hold")
 mine = hvd.synchronize(held).tolist()
+hvd.synchronize(hold)
+runtime.set_fusion_groups(None, label="hold")
 opt.step()  # what the failed pass left is reduced; nothing waits for what was never sent
 first = [p.detach().clone() for p in ps]
 everyone = hvd.allgather(torch.stack(first).unsqueeze(0), name="first")
